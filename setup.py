@@ -1,0 +1,46 @@
+"""Packaging for gradaccum.
+
+TensorFlow is deliberately not in ``install_requires``: a user on
+``tensorflow-gpu==1.15`` must not get TensorFlow 2 pulled in. The ``[tf]``
+extra installs the newest TensorFlow 2.x with ``tf-keras`` for those who
+want it.
+"""
+import os
+
+from setuptools import find_packages, setup
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version():
+    path = os.path.join(_HERE, "gradaccum", "_version.py")
+    scope = {}
+    with open(path) as handle:
+        exec(handle.read(), scope)
+    return scope["__version__"]
+
+
+_EXAMPLES = ["progressbar2>=3.50", "scikit-learn>=0.24", "psutil>=5.6", "matplotlib>=3.3"]
+
+setup(
+    name="gradaccum",
+    version=_version(),
+    description="Exact gradient accumulation and synchronous multi-device "
+    "training for TensorFlow 1.x graph mode.",
+    long_description=open(os.path.join(_HERE, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["gradaccum", "gradaccum.*"]),
+    python_requires=">=3.7",
+    install_requires=["numpy"],
+    extras_require={
+        "tf": ["tensorflow>=2.15", "tf-keras>=2.15"],
+        "test": ["pytest>=6", "pytest-timeout>=1.4"] + _EXAMPLES,
+        "examples": _EXAMPLES,
+    },
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

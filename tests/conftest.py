@@ -1,0 +1,52 @@
+"""Test configuration: picks the TensorFlow behaviour before TensorFlow loads.
+
+The suite runs once per behaviour, each in its own process:
+
+* ``--tf-mode=tf1`` (default): ``tf.compat.v1.disable_v2_behavior()``, that is
+  reference variables and v1 control flow, what TensorFlow 1.15 runs;
+* ``--tf-mode=tf2``: ``tf.compat.v1.disable_eager_execution()`` only, that is
+  resource variables and control flow v2 in a graph.
+
+``GRADACCUM_TF_MODE`` sets the default. ``TF_USE_LEGACY_KERAS=1`` is set before
+TensorFlow is imported so that ``tf.compat.v1.layers`` works on TF >= 2.16.
+"""
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402
+
+MODES = ("tf1", "tf2")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tf-mode",
+        default=os.environ.get("GRADACCUM_TF_MODE", "tf1"),
+        choices=MODES,
+        help="tf1: disable_v2_behavior(); tf2: disable_eager_execution() only",
+    )
+
+
+def pytest_configure(config):
+    import tensorflow as tf
+
+    mode = config.getoption("--tf-mode")
+    if mode == "tf1":
+        tf.compat.v1.disable_v2_behavior()
+    else:
+        tf.compat.v1.disable_eager_execution()
+    os.environ["GRADACCUM_TF_MODE"] = mode  # Subprocesses started by tests follow.
+
+
+def pytest_report_header(config):
+    import tensorflow as tf
+
+    return "gradaccum: TensorFlow %s, mode %s" % (tf.__version__, config.getoption("--tf-mode"))
+
+
+@pytest.fixture
+def tf_mode(request):
+    """The TensorFlow behaviour this run uses: ``"tf1"`` or ``"tf2"``."""
+    return request.config.getoption("--tf-mode")
