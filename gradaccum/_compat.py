@@ -89,3 +89,25 @@ def visible_gpus():
     """
     devices = tf.config.experimental.list_physical_devices("GPU")
     return ["/gpu:%d" % i for i in range(len(devices))]
+
+
+def in_control_flow(graph=None):
+    """Tells whether ops are being built inside ``tf.cond`` or ``tf.while_loop``.
+
+    Covers both v1 control-flow contexts and the function graphs of control
+    flow v2.
+
+    Args:
+      graph: the graph to ask; the default graph when ``None``.
+
+    Returns:
+      True inside a conditional or loop body.
+
+    Example:
+      >>> in_control_flow()
+      False
+    """
+    graph = graph or tf.compat.v1.get_default_graph()
+    # Neither question has a public API in TF 1.15; both attributes exist
+    # from 1.15 to 2.21.
+    return graph._get_control_flow_context() is not None or bool(getattr(graph, "building_function", False))

@@ -11,15 +11,16 @@ Variables this module creates (all global, non-trainable, so that a
 each colocated with the variable it serves:
 
 * ``<var>/<name>``: one accumulator per variable with a gradient, slot
-  ``"accum"``, the variable's shape, float32 for float16/bfloat16 variables.
+  ``"accum"``, the variable's shape, in the variable's dtype widened to at
+  least float32 (and to ``accumulation_dtype`` when that is wider).
 * ``<var>/<name>_touched``: for a sparse (``IndexedSlices``) gradient only,
   slot ``"touched"``, one flag per row, so that the applied gradient is sparse
   again and touches exactly the rows the full batch would.
 * ``<scope>/micro_step`` (int64): micro-batches added since the last apply or
   reset.
 * ``<scope>/weight_sum``: the weight added since the last apply or reset.
-* ``<scope>/skipped_windows`` (int64): windows dropped because their total
-  weight was zero.
+* ``<scope>/skipped_windows`` (int64): windows not applied because their
+  total weight was zero, or (with ``skip_nonfinite``) their sum not finite.
 
 Collections: these variables go to ``GLOBAL_VARIABLES`` only. The fused train
 op is appended to ``TRAIN_OP``; the wrapped optimizer's internal apply ops are
@@ -28,10 +29,12 @@ kept out of it, because running them on their own would apply a stale window.
 import collections
 
 from gradaccum import _validate
-from gradaccum._compat import tf
+from gradaccum._compat import in_control_flow, tf
 
-# Half-precision sums lose digits after a few additions; accumulate in float32.
-_WIDE_DTYPES = {tf.float16: tf.float32, tf.bfloat16: tf.float32}
+# Half-precision sums lose digits after a few additions: never accumulate
+# in fewer bits than float32.
+_FLOAT_WIDTH = {tf.float16: 16, tf.bfloat16: 16, tf.float32: 32, tf.float64: 64}
+_ACCUMULATION_DTYPES = (tf.float32, tf.float64)
 
 # What apply_gradients builds; documented on the public properties.
 _Window = collections.namedtuple(
@@ -57,13 +60,24 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
       num_micro_batches: int >= 1, the micro-batches per applied update.
       clip_norm: ``None``, or a number > 0: the averaged gradients are clipped
         by global norm once, just before they are applied.
+      accumulation_dtype: ``None``, ``tf.float32`` or ``tf.float64``: the
+        narrowest dtype the accumulators use. ``None`` keeps the variable's
+        dtype (float32 for float16/bfloat16 variables). ``tf.float64`` keeps
+        sums of many float32 micro-batches exact to float32 precision (large
+        k with a large common offset), at the cost of a float64 cache.
+      skip_nonfinite: when True, a window whose summed gradients are not
+        finite is not applied, only reset and counted in ``skipped_windows``
+        (for training without loss scaling; a loss-scale optimizer wrapped
+        inside does this on its own and lowers its scale).
       name: the name scope of the ops and of the state variables.
 
     Raises:
       TypeError: when ``optimizer`` is not a v1 optimizer, or is itself a
-        ``GradientAccumulator``; when ``clip_norm`` is not a number.
-      ValueError: when ``num_micro_batches`` is not an int >= 1 or ``clip_norm``
-        is not > 0; when ``name`` is empty.
+        ``GradientAccumulator``; when ``clip_norm`` is not a number or
+        ``skip_nonfinite`` not a bool.
+      ValueError: when ``num_micro_batches`` is not an int >= 1, ``clip_norm``
+        is not > 0, ``accumulation_dtype`` is not float32 or float64, or
+        ``name`` is empty.
 
     Example:
       >>> opt = gradaccum.GradientAccumulator(
@@ -74,7 +88,8 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
       ...     sess.run(train_op, {images: images_i, labels: labels_i})
     """
 
-    def __init__(self, optimizer, num_micro_batches, *, clip_norm=None, name="GradientAccumulator"):
+    def __init__(self, optimizer, num_micro_batches, *, clip_norm=None, accumulation_dtype=None,
+                 skip_nonfinite=False, name="GradientAccumulator"):
         _validate.check_optimizer(optimizer)
         if isinstance(optimizer, GradientAccumulator):
             raise TypeError(
@@ -83,6 +98,10 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
             )
         self._k = _validate.check_positive_int(num_micro_batches, "num_micro_batches")
         self._clip_norm = _validate.check_positive_number(clip_norm, "clip_norm")
+        self._accumulation_dtype = _check_accumulation_dtype(accumulation_dtype)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError("`skip_nonfinite` must be a bool, got %s" % _validate.describe(skip_nonfinite))
+        self._skip_nonfinite = skip_nonfinite
         if not isinstance(name, str) or not name:
             raise ValueError("`name` must be a non-empty string, got %s" % _validate.describe(name))
         super(GradientAccumulator, self).__init__(use_locking=False, name=name)
@@ -191,7 +210,9 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
         Raises:
           TypeError: for malformed pairs or a non-numeric ``weight``.
           ValueError: when every gradient is ``None``, ``weight`` is not a
-            scalar, or this accumulator already built a train op.
+            scalar, this accumulator already built a train op, or it is
+            called inside ``tf.cond``/``tf.while_loop`` (as when a loss-scale
+            optimizer wraps the accumulator instead of the other way round).
 
         Example:
           >>> grads_and_vars = opt.compute_gradients(loss)
@@ -201,6 +222,12 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
             raise ValueError(
                 "this GradientAccumulator (name=%r) already built a train op; make one "
                 "GradientAccumulator per train op" % self.get_name()
+            )
+        if in_control_flow():
+            raise ValueError(
+                "GradientAccumulator %r must build its train op outside tf.cond and tf.while_loop; "
+                "to combine it with loss scaling, wrap the loss-scale optimizer inside it: "
+                "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % self.get_name()
             )
         pairs = _checked_pairs(grads_and_vars)
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
@@ -339,7 +366,7 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
         if not shape.is_fully_defined():
             raise ValueError("variable %r needs a fully defined shape to be accumulated, got %s"
                              % (var.op.name, shape))
-        dtype = _WIDE_DTYPES.get(var.dtype.base_dtype, var.dtype.base_dtype)
+        dtype = _accumulator_dtype(var.dtype.base_dtype, self._accumulation_dtype)
         zeros = tf.compat.v1.zeros_initializer()
         accum = self._get_or_make_slot_with_initializer(var, zeros, shape, dtype, "accum", self._name)
         touched = None
@@ -349,10 +376,13 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
         return _Slot(var, accum, touched)
 
     def _finish_window(self, global_step, outer_scope):
-        """Applies the window (or skips it when its weight is zero), then resets."""
+        """Applies the window (or skips it: zero weight, or not finite), then resets."""
         window = self._window
-        has_weight = tf.greater(window.weight_sum.read_value(), 0, name="has_weight")
-        return tf.cond(has_weight, lambda: self._apply_and_reset(global_step, outer_scope),
+        usable = tf.greater(window.weight_sum.read_value(), 0, name="has_weight")
+        if self._skip_nonfinite:
+            finite = [tf.reduce_all(tf.math.is_finite(slot.accum.read_value())) for slot in window.slots]
+            usable = tf.logical_and(usable, tf.reduce_all(tf.stack(finite)), name="usable")
+        return tf.cond(usable, lambda: self._apply_and_reset(global_step, outer_scope),
                        lambda: _skip_and_reset(window), name="apply_or_skip")
 
     def _apply_and_reset(self, global_step, outer_scope):
@@ -375,6 +405,27 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
 
 def _zero(dtype):
     return tf.zeros([], dtype=dtype)
+
+
+def _check_accumulation_dtype(dtype):
+    if dtype is None:
+        return None
+    try:
+        converted = tf.as_dtype(dtype)
+    except TypeError:
+        converted = None
+    if converted not in _ACCUMULATION_DTYPES:
+        raise ValueError("`accumulation_dtype` must be None, tf.float32 or tf.float64, got %s"
+                         % _validate.describe(dtype))
+    return converted
+
+
+def _accumulator_dtype(var_dtype, minimum):
+    """The wider of the variable's float dtype (at least float32) and ``minimum``."""
+    if var_dtype not in _FLOAT_WIDTH:  # complex: keep as is
+        return var_dtype
+    choices = [tf.float32, var_dtype] + ([minimum] if minimum is not None else [])
+    return max(choices, key=lambda dtype: _FLOAT_WIDTH.get(dtype, 0))
 
 
 def _check_loss(loss):
