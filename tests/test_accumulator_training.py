@@ -116,7 +116,7 @@ def _loss_scaled(k, huge):
     acc = gradaccum.GradientAccumulator(scaled, k)
     step = v1.train.get_or_create_global_step()
     train_op = acc.minimize(loss, global_step=step)
-    (scale,) = [v for v in scaled.variables() if "current_loss_scale" in v.name]
+    (scale,) = [v for v in v1.global_variables() if v.op.name.endswith("current_loss_scale")]
     normal = np.array([[1.0, 2.0], [0.5, -1.0]], np.float16)
     # TF's loss-scale optimizer does not forward get_slot: ask the inner one.
     return LossScaled(x, w, step, acc, train_op, scale, momentum.get_slot(w, "momentum"),
