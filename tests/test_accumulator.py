@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+from scalar_problem import scalar_problem
 
 v1 = tf.compat.v1
 BATCH = 12
@@ -90,21 +91,9 @@ def test_uneven_micro_batches_need_the_weight():
     assert not np.allclose(unweighted[0], expected[0], rtol=1e-6)
 
 
-def _scalar_model(k, opt, weight_fed=True):
-    """loss = sum(c * w): the gradient of w is exactly the fed ``c``."""
-    c = v1.placeholder(tf.float64, [2], name="c")
-    weight = v1.placeholder_with_default(tf.constant(1.0, tf.float64), [], name="weight")
-    w = v1.get_variable("w", initializer=np.array([10.0, 20.0]))
-    step = v1.train.get_or_create_global_step()
-    acc = gradaccum.GradientAccumulator(opt, k)
-    train_op = acc.minimize(tf.reduce_sum(c * w), global_step=step,
-                            weight=weight if weight_fed else None)
-    return c, weight, w, step, acc, train_op
-
-
 def test_exact_mean_of_fed_gradients():
     with tf.Graph().as_default():
-        c, _, w, step, acc, train_op = _scalar_model(4, v1.train.GradientDescentOptimizer(1.0))
+        c, _, w, step, acc, train_op = scalar_problem(4, v1.train.GradientDescentOptimizer(1.0))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             for value in [1.0, 2.0, 3.0, 4.0]:
@@ -115,7 +104,7 @@ def test_exact_mean_of_fed_gradients():
 
 def test_weights_give_weighted_mean():
     with tf.Graph().as_default():
-        c, weight, w, _, acc, train_op = _scalar_model(2, v1.train.GradientDescentOptimizer(1.0))
+        c, weight, w, _, acc, train_op = scalar_problem(2, v1.train.GradientDescentOptimizer(1.0))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             sess.run(train_op, {c: [1.0, 0.0], weight: 3.0})
@@ -171,7 +160,7 @@ def test_every_slot_moves_on_apply():
 
 def test_accumulators_hold_the_weighted_sum_and_reset():
     with tf.Graph().as_default():
-        c, weight, w, step, acc, train_op = _scalar_model(3, v1.train.AdamOptimizer(0.1))
+        c, weight, w, step, acc, train_op = scalar_problem(3, v1.train.AdamOptimizer(0.1))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             sess.run(train_op, {c: [1.0, 2.0], weight: 2.0})
@@ -260,7 +249,7 @@ def test_state_variables_are_global_non_trainable_colocated_and_outside_control_
 
 def test_op_names_and_train_op_collection():
     with tf.Graph().as_default():
-        _, _, _, _, acc, train_op = _scalar_model(2, v1.train.AdamOptimizer(0.1))
+        _, _, _, _, acc, train_op = scalar_problem(2, v1.train.AdamOptimizer(0.1))
         assert train_op.name == "GradientAccumulator/train"
         assert acc.accumulate_op.name == "GradientAccumulator/accumulate/accumulate"
         assert acc.apply_op.name == "GradientAccumulator/apply"
@@ -294,7 +283,7 @@ def test_manual_pattern_equals_full_batch_and_apply_needs_no_feed():
 
 def test_manual_apply_uses_whatever_count_was_added():
     with tf.Graph().as_default():
-        c, _, w, step, acc, _ = _scalar_model(5, v1.train.GradientDescentOptimizer(1.0))
+        c, _, w, step, acc, _ = scalar_problem(5, v1.train.GradientDescentOptimizer(1.0))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             sess.run(acc.accumulate_op, {c: [2.0, 4.0]})
@@ -311,7 +300,7 @@ def test_manual_apply_uses_whatever_count_was_added():
 
 def test_zero_weight_window_is_skipped_and_counted():
     with tf.Graph().as_default():
-        c, weight, w, step, acc, train_op = _scalar_model(2, v1.train.AdamOptimizer(0.1))
+        c, weight, w, step, acc, train_op = scalar_problem(2, v1.train.AdamOptimizer(0.1))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             for _ in range(2):
@@ -384,7 +373,7 @@ def test_checkpoint_in_the_middle_of_a_window_continues_exactly(tmp_path):
 
 def test_slots_and_variables_are_forwarded():
     with tf.Graph().as_default():
-        _, _, w, _, acc, _ = _scalar_model(2, v1.train.AdamOptimizer(0.1))
+        _, _, w, _, acc, _ = scalar_problem(2, v1.train.AdamOptimizer(0.1))
         assert acc.get_slot(w, "m") is acc.optimizer.get_slot(w, "m") is not None
         assert acc.get_slot(w, "accum") is acc.accumulators[0]
         assert acc.get_slot_names() == ["accum", "m", "v"]

@@ -9,19 +9,10 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+from scalar_problem import scalar_problem
 
 v1 = tf.compat.v1
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _scalar_problem(k, opt, dtype=tf.float64, **kwargs):
-    """loss = sum(c * w): the gradient of w is exactly the fed ``c``."""
-    c = v1.placeholder(dtype, [2], name="c")
-    w = v1.get_variable("w", initializer=tf.constant([1.0, 2.0], dtype))
-    step = v1.train.get_or_create_global_step()
-    acc = gradaccum.GradientAccumulator(opt, k, **kwargs)
-    train_op = acc.minimize(tf.reduce_sum(c * w), global_step=step)
-    return c, w, step, acc, train_op
 
 
 # ------------------------------------------------------------------ resume
@@ -49,7 +40,7 @@ def test_resume_mid_window_in_a_fresh_process_is_bit_identical(pattern, resumed_
 
 def _monitored_run(checkpoint_dir, micro_steps, k=3):
     with tf.Graph().as_default():
-        c, w, step, acc, train_op = _scalar_problem(k, v1.train.MomentumOptimizer(0.1, 0.9))
+        c, _, w, step, acc, train_op = scalar_problem(k, v1.train.MomentumOptimizer(0.1, 0.9))
         values = [float(i % 5) for i in range(100)]
         with v1.train.MonitoredTrainingSession(checkpoint_dir=checkpoint_dir, save_checkpoint_secs=None,
                                                save_checkpoint_steps=1000, log_step_count_steps=None,
@@ -71,7 +62,7 @@ def test_monitored_training_session_resumes_mid_window(tmp_path):
 
 def test_stop_at_step_hook_counts_applied_updates():
     with tf.Graph().as_default():
-        c, _, step, _, train_op = _scalar_problem(4, v1.train.GradientDescentOptimizer(0.1))
+        c, _, _, step, _, train_op = scalar_problem(4, v1.train.GradientDescentOptimizer(0.1))
         with tf.control_dependencies([train_op]):
             step_after = tf.identity(step.read_value())
         hook = v1.train.StopAtStepHook(last_step=3)
@@ -187,23 +178,23 @@ def test_half_precision_gradients_accumulate_in_float32(dtype):
 
 def test_skip_nonfinite_skips_and_counts_without_loss_scaling():
     with tf.Graph().as_default():
-        c, w, step, acc, train_op = _scalar_problem(2, v1.train.AdamOptimizer(0.1), skip_nonfinite=True)
+        c, _, w, step, acc, train_op = scalar_problem(2, v1.train.AdamOptimizer(0.1), skip_nonfinite=True)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             for value in ([1.0, np.inf], [1.0, 1.0]):
                 sess.run(train_op, {c: value})
-            np.testing.assert_array_equal(sess.run(w), [1.0, 2.0])
+            np.testing.assert_array_equal(sess.run(w), [10.0, 20.0])
             assert sess.run([step, acc.skipped_windows, acc.micro_step]) == [0, 1, 0]
             assert not np.any(sess.run(acc.accumulators[0]))
             for value in ([1.0, 1.0], [1.0, 1.0]):
                 sess.run(train_op, {c: value})
             assert sess.run([step, acc.skipped_windows]) == [1, 1]
-            assert np.all(np.isfinite(sess.run(w))) and not np.array_equal(sess.run(w), [1.0, 2.0])
+            assert np.all(np.isfinite(sess.run(w))) and not np.array_equal(sess.run(w), [10.0, 20.0])
 
 
 def test_without_skip_nonfinite_the_window_is_applied():
     with tf.Graph().as_default():
-        c, w, step, acc, train_op = _scalar_problem(1, v1.train.GradientDescentOptimizer(0.1))
+        c, _, w, step, acc, train_op = scalar_problem(1, v1.train.GradientDescentOptimizer(0.1))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             sess.run(train_op, {c: [np.nan, 0.0]})
@@ -219,13 +210,13 @@ def _average_at_large_k(accumulation_dtype, k=1024):
     # rounds every addition at the sum's scale and drifts.
     grads = (1.0e4 + rng.uniform(0.0, 0.5, size=(k, 2))).astype(np.float32)
     with tf.Graph().as_default():
-        c, w, _, acc, train_op = _scalar_problem(
+        c, _, w, _, acc, train_op = scalar_problem(
             k, v1.train.GradientDescentOptimizer(1.0), tf.float32, accumulation_dtype=accumulation_dtype)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             for grad in grads:
                 sess.run(train_op, {c: grad})
-            averaged = np.array([1.0, 2.0]) - sess.run(w).astype(np.float64)
+            averaged = np.array([10.0, 20.0]) - sess.run(w).astype(np.float64)
     reference = grads.astype(np.float64).mean(axis=0)
     return np.max(np.abs(averaged - reference) / reference)
 
@@ -255,7 +246,7 @@ def test_skip_nonfinite_must_be_a_bool():
 
 def test_training_adds_no_ops_after_the_first_step():
     with tf.Graph().as_default() as graph:
-        c, w, step, acc, train_op = _scalar_problem(3, v1.train.AdamOptimizer(0.1))
+        c, _, w, step, acc, train_op = scalar_problem(3, v1.train.AdamOptimizer(0.1))
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             graph.finalize()  # any op added from here on raises
