@@ -8,11 +8,16 @@ The suite runs once per behaviour, each in its own process:
   resource variables and control flow v2 in a graph.
 
 ``GRADACCUM_TF_MODE`` sets the default. ``TF_USE_LEGACY_KERAS=1`` is set before
-TensorFlow is imported so that ``tf.compat.v1.layers`` works on TF >= 2.16.
+TensorFlow is imported, when ``tf_keras`` is installed, so that
+``tf.compat.v1.layers`` works on TF >= 2.16.
 """
+import importlib.util
 import os
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+# tf.compat.v1.layers needs tf_keras on TF >= 2.16; TF 1.15 to 2.15 have Keras 2 built in,
+# and there the variable would break tf.compat.v1.layers if tf_keras is absent.
+if importlib.util.find_spec("tf_keras") is not None:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402

@@ -1,0 +1,439 @@
+"""One-machine launcher for a multi-process TensorFlow job.
+
+Usage::
+
+    python -m gradaccum.launch --workers P [--ps N] -- python script.py args
+
+starts ``P`` worker processes (``worker:0`` is the chief) and ``N`` ps
+processes of the same command, each with its own ``TF_CONFIG`` on free
+loopback ports, and prefixes every line they print with ``[worker:1]``. It
+exits with the chief's exit status. When any task dies with a non-zero status
+it names that task and its status in one line and stops the others (SIGTERM,
+then SIGKILL after ``--grace`` seconds). Each task runs in its own process
+group, which is killed on every way out (normal exit, signal, exception, and
+via ``atexit``); on Linux a task also gets SIGKILL when the launcher itself is
+killed. Every wait is bounded.
+
+This module does not use TensorFlow and creates no variables or collections.
+"""
+import argparse
+import atexit
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+_PREFIX = "gradaccum.launch: "
+_POLL_SECONDS = 0.1
+_PR_SET_PDEATHSIG = 1
+
+
+def pick_free_ports(count, host="127.0.0.1"):
+    """Returns ``count`` distinct ports that were free on ``host`` a moment ago.
+
+    All sockets are held open together, so the ports differ; they are closed
+    before returning, so another process could still take one (rare).
+
+    Args:
+      count: how many ports, an int >= 1.
+      host: the interface to bind.
+
+    Returns:
+      A list of ints.
+
+    Raises:
+      ValueError: when ``count`` is not an int >= 1.
+
+    Example:
+      >>> pick_free_ports(2)
+      [40211, 37915]
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError("`count` must be an int >= 1, got %r" % (count,))
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def build_cluster(workers, ps, host, ports):
+    """Builds the ``cluster`` part of ``TF_CONFIG`` for one machine.
+
+    Args:
+      workers: number of worker tasks (>= 1); ``worker:0`` is the chief.
+      ps: number of ps tasks (>= 0).
+      host: the host of every address.
+      ports: ``workers + ps`` ports, workers first.
+
+    Returns:
+      A dict such as ``{"worker": ["127.0.0.1:4001"], "ps": ["127.0.0.1:4002"]}``.
+
+    Raises:
+      ValueError: when the counts or the number of ports are wrong.
+
+    Example:
+      >>> build_cluster(2, 0, "127.0.0.1", [4001, 4002])
+      {'worker': ['127.0.0.1:4001', '127.0.0.1:4002']}
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError("`workers` must be an int >= 1, got %r" % (workers,))
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+        raise ValueError("`ps` must be an int >= 0, got %r" % (ps,))
+    if len(ports) != workers + ps:
+        raise ValueError("`ports` must hold %d ports, got %r" % (workers + ps, ports))
+    addresses = ["%s:%d" % (host, port) for port in ports]
+    cluster = {"worker": addresses[:workers]}
+    if ps:
+        cluster["ps"] = addresses[workers:]
+    return cluster
+
+
+def tf_config_for(cluster, job, index):
+    """Returns the ``TF_CONFIG`` JSON of task ``job:index`` of ``cluster``.
+
+    Args:
+      cluster: as returned by :func:`build_cluster`.
+      job: ``"worker"`` or ``"ps"``.
+      index: the task's index in its job.
+
+    Returns:
+      A JSON string.
+
+    Example:
+      >>> tf_config_for({"worker": ["127.0.0.1:4001"]}, "worker", 0)
+      '{"cluster": {"worker": ["127.0.0.1:4001"]}, "task": {"type": "worker", "index": 0}}'
+    """
+    return json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+
+
+def describe_status(returncode):
+    """Says how a process ended, for a one-line message.
+
+    Args:
+      returncode: ``Popen.returncode`` (negative: killed by that signal).
+
+    Returns:
+      ``"exit status 3"`` or ``"signal 9 (SIGKILL)"``.
+
+    Example:
+      >>> describe_status(-15)
+      'signal 15 (SIGTERM)'
+    """
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown"
+        return "signal %d (%s)" % (-returncode, name)
+    return "exit status %s" % (returncode,)
+
+
+def shell_status(returncode):
+    """Maps ``Popen.returncode`` to a shell exit status (a signal N gives 128 + N).
+
+    Args:
+      returncode: ``Popen.returncode``.
+
+    Returns:
+      An int in 0..255.
+
+    Example:
+      >>> shell_status(-9)
+      137
+    """
+    return 128 - returncode if returncode < 0 else min(returncode, 255)
+
+
+def copy_prefixed(source, sink, prefix, lock):
+    """Copies ``source`` to ``sink`` line by line, each line after ``prefix``.
+
+    A last line without a newline gets one, so prefixes always start a line.
+    When ``sink`` breaks (a closed pipe), reading goes on without writing, so
+    the task never blocks on a full pipe.
+
+    Args:
+      source: a binary stream to read until EOF (a task's stdout).
+      sink: a binary stream to write to; flushed after each line.
+      prefix: bytes put before every line, e.g. ``b"[worker:1] "``.
+      lock: a ``threading.Lock`` shared by all writers of ``sink``.
+
+    Example:
+      >>> copy_prefixed(process.stdout, sys.stdout.buffer, b"[worker:1] ", lock)
+    """
+    writing = True
+    for line in iter(source.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        with lock:
+            try:
+                if writing:
+                    sink.write(prefix + line)
+                    sink.flush()
+            except (OSError, ValueError):  # Closed or broken sink: keep draining.
+                writing = False
+
+
+def _find_prctl():
+    """Returns libc's ``prctl`` on Linux, else None (the group kill still applies)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once in the parent: the forked child only calls it (no dlopen after fork).
+_PRCTL = _find_prctl()
+
+
+def _die_with_parent():
+    """Runs in the child before exec: SIGKILL it when the launcher dies."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class _Task(object):
+    """One started process, its name and its output pump."""
+
+    def __init__(self, name, command, env):
+        self.name = name
+        self.process = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent if _PRCTL is not None else None)
+        self.pump = None
+
+    def start_pump(self, sink, lock):
+        self.pump = threading.Thread(target=copy_prefixed, name="pump-" + self.name,
+                                     args=(self.process.stdout, sink, ("[%s] " % self.name).encode(), lock))
+        self.pump.daemon = True
+        self.pump.start()
+
+    def signal_group(self, signum):
+        try:
+            os.killpg(self.process.pid, signum)  # The group outlives its leader's exit.
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Launcher(object):
+    """Starts the tasks of one job and supervises them until the job ends.
+
+    Args:
+      command: the argv list every task runs.
+      workers: number of worker tasks (``worker:0`` is the chief).
+      ps: number of ps tasks.
+      host: loopback or interface address of the cluster.
+      grace_seconds: SIGTERM-to-SIGKILL delay when stopping tasks.
+      shutdown_seconds: how long the other tasks may run after the chief ended.
+      stdout: binary stream for the tasks' prefixed output.
+      stderr: text stream for the launcher's own one-line messages.
+
+    Example:
+      >>> status = Launcher(["python", "train.py"], workers=2, ps=0).run()
+    """
+
+    def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
+                 shutdown_seconds=15.0, stdout=None, stderr=None):
+        self.command = list(command)
+        self.cluster = build_cluster(workers, ps, host, pick_free_ports(workers + ps, host))
+        self.grace_seconds = grace_seconds
+        self.shutdown_seconds = shutdown_seconds
+        self.stdout = stdout if stdout is not None else sys.stdout.buffer
+        self.stderr = stderr if stderr is not None else sys.stderr
+        self.tasks = []
+        self.received = None
+        self._lock = threading.Lock()
+
+    def say(self, message):
+        """Writes one launcher line to ``stderr``."""
+        with self._lock:
+            self.stderr.write(_PREFIX + message + "\n")
+            self.stderr.flush()
+
+    def start(self):
+        """Starts every task; pumps start after all forks (``preexec_fn`` and threads do not mix)."""
+        for job in ("worker", "ps"):
+            for index, address in enumerate(self.cluster.get(job, ())):
+                env = dict(os.environ, TF_CONFIG=tf_config_for(self.cluster, job, index), PYTHONUNBUFFERED="1")
+                task = _Task("%s:%d" % (job, index), self.command, env)
+                self.tasks.append(task)
+                self.say("started %s (pid %d) at %s" % (task.name, task.process.pid, address))
+        for task in self.tasks:
+            task.start_pump(self.stdout, self._lock)
+
+    def stop(self, tasks=None):
+        """SIGTERM to every task's process group, SIGKILL after the grace period."""
+        tasks = self.tasks if tasks is None else tasks
+        for signum, wait in ((signal.SIGTERM, self.grace_seconds), (signal.SIGKILL, 5.0)):
+            for task in tasks:
+                task.signal_group(signum)
+            if self._wait(tasks, wait):
+                break
+        for task in self.tasks:
+            if task.pump is not None:
+                task.pump.join(2.0)  # A grandchild may hold the pipe: bounded.
+
+    def _wait(self, tasks, seconds):
+        deadline = time.time() + seconds
+        while any(task.process.poll() is None for task in tasks):
+            if time.time() >= deadline:
+                return False
+            time.sleep(_POLL_SECONDS)
+        return True
+
+    def _failed_task(self):
+        for task in self.tasks[1:]:
+            if task.process.poll() not in (None, 0):
+                return task
+        return None
+
+    def supervise(self):
+        """Waits for the job to end; returns the launcher's exit status."""
+        chief = self.tasks[0]
+        while True:
+            if self.received is not None:
+                self.say("received %s; stopping all tasks" % signal.Signals(self.received).name)
+                self.stop()
+                return 128 + self.received
+            dead = self._failed_task()
+            if dead is not None:  # Checked first: a chief failing because of it is the echo.
+                chief_status = chief.process.poll()
+                self.say("%s (pid %d) died with %s; stopping the other tasks"
+                         % (dead.name, dead.process.pid, describe_status(dead.process.returncode)))
+                self.stop()
+                return shell_status(chief_status) if chief_status else 1
+            if chief.process.poll() is not None:
+                return self._finish(chief)
+            time.sleep(_POLL_SECONDS)
+
+    def _finish(self, chief):
+        status = chief.process.returncode
+        others = self.tasks[1:]
+        if status != 0:
+            self.say("chief %s (pid %d) ended with %s; stopping the other tasks"
+                     % (chief.name, chief.process.pid, describe_status(status)))
+        elif not self._wait(others, self.shutdown_seconds):
+            late = [t.name for t in others if t.process.poll() is None]
+            self.say("%s still running %g s after the chief finished; stopping them"
+                     % (", ".join(late), self.shutdown_seconds))
+        self.stop()
+        return shell_status(status)
+
+    def run(self):
+        """Starts, supervises and always cleans up; returns the exit status."""
+        atexit.register(self._kill_all)
+        try:
+            self.start()
+            return self.supervise()
+        finally:
+            self._kill_all()
+            atexit.unregister(self._kill_all)
+
+    def _kill_all(self):
+        for task in self.tasks:
+            task.signal_group(signal.SIGKILL)
+        for task in self.tasks:
+            try:
+                task.process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, "%serror: %s (see --help)\n" % (_PREFIX, message))
+
+
+def parse_args(argv):
+    """Parses the launcher's command line.
+
+    Args:
+      argv: the arguments after the program name.
+
+    Returns:
+      An ``argparse.Namespace`` with ``workers``, ``ps``, ``host``, ``grace``,
+      ``shutdown_timeout`` and ``command`` (a non-empty list).
+
+    Raises:
+      SystemExit: with status 2 and one error line for bad arguments.
+
+    Example:
+      >>> parse_args(["--workers", "2", "--", "python", "train.py"]).command
+      ['python', 'train.py']
+    """
+    parser = _OneLineParser(prog="python -m gradaccum.launch",
+                            description="Run one TensorFlow job as several local processes.")
+    parser.add_argument("--workers", type=int, required=True, help="worker processes; worker:0 is the chief")
+    parser.add_argument("--ps", type=int, default=0, help="parameter-server processes (default 0)")
+    parser.add_argument("--host", default="127.0.0.1", help="address the tasks listen on")
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--shutdown-timeout", type=float, default=15.0,
+                        help="seconds the other tasks may run after the chief ended")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every task runs")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given: put it after `--`, e.g. -- python train.py")
+    if args.workers < 1 or args.ps < 0:
+        parser.error("`--workers` must be >= 1 and `--ps` >= 0, got %d and %d" % (args.workers, args.ps))
+    if not 0 < args.grace <= 30 or not 0 <= args.shutdown_timeout <= 600:
+        parser.error("`--grace` must be in (0, 30] and `--shutdown-timeout` in [0, 600], got %s and %s"
+                     % (args.grace, args.shutdown_timeout))
+    args.command = command
+    return args
+
+
+def _install_handlers(launcher):
+    """Records SIGINT/SIGTERM/SIGHUP for the supervise loop; returns the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def record(signum, _frame):
+        launcher.received = signum
+
+    return {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+
+def main(argv=None, stdout=None, stderr=None):
+    """Runs the launcher; returns its exit status (the chief's, or non-zero on failure).
+
+    Args:
+      argv: command-line arguments, ``sys.argv[1:]`` by default.
+      stdout: binary stream for the tasks' output (default: ``sys.stdout.buffer``).
+      stderr: text stream for the launcher's messages (default: ``sys.stderr``).
+
+    Returns:
+      The exit status.
+
+    Example:
+      >>> main(["--workers", "2", "--", "python", "examples/parabola_sync.py"])
+      0
+    """
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    launcher = Launcher(args.command, args.workers, args.ps, args.host, args.grace, args.shutdown_timeout,
+                        stdout=stdout, stderr=stderr)
+    previous = _install_handlers(launcher)
+    try:
+        return launcher.run()
+    except OSError as exc:  # The command cannot be started: one line, not a traceback.
+        # os.strerror: Python 3.7 appends the file name to exc.strerror.
+        launcher.say("cannot start %r: %s" % (args.command[0], os.strerror(exc.errno) if exc.errno else exc))
+        return 127
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""Synchronous multi-device training: one model replicated as towers.
+
+:func:`minimize` splits a batch into one shard per device, builds the model
+once per device ("tower") with shared variables, averages the towers'
+gradients weighted by shard size, and applies them once, so that one run of
+the train op equals one step of a single device on the whole batch.
+:func:`average_gradients` is the averaging step on its own.
+
+Variables: this module creates none of its own. The variables of ``model_fn``
+are created once, by the first tower, in the caller's variable scope (so they
+have the names a single-device graph gives them and checkpoints are
+interchangeable), on ``variables_device``. The optimizer creates its slots as
+usual; a ``GradientAccumulator`` creates its own state (see its module).
+
+Collections: nothing is added by this module. It reads the ``UPDATE_OPS``
+that each tower's ``model_fn`` adds (batch-norm moving averages) to choose
+which of them the train op runs. What ``model_fn`` itself adds (for example
+each tower's loss in ``LOSSES``) is added once per tower.
+"""
+import collections
+import numbers
+
+from gradaccum import _compat
+from gradaccum import _validate
+from gradaccum._compat import tf
+from gradaccum.accumulator import GradientAccumulator
+
+TowerTraining = collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])
+TowerTraining.__doc__ = """What :func:`minimize` builds.
+
+Attributes:
+  train_op: the op to run once per batch (per micro-batch with a
+    ``GradientAccumulator``).
+  loss: scalar, the mean loss over the whole batch (tower losses weighted by
+    shard size).
+  towers: list of :class:`Tower`, one per device, in device order.
+"""
+
+Tower = collections.namedtuple("Tower", ["device", "scope", "loss", "grads_and_vars"])
+Tower.__doc__ = """One replica of the model, as built by :func:`minimize`.
+
+Attributes:
+  device: the device string the tower computes on, as given.
+  scope: the tower's name scope, e.g. ``"tower_0/"``.
+  loss: scalar, the mean loss over this tower's shard.
+  grads_and_vars: this tower's ``(gradient, variable)`` pairs, unweighted.
+"""
+
+UPDATE_OPS_CHOICES = ("first", "all", None)
+
+# Op types that hold state: placed on `variables_device` (parameter-server layout).
+_VARIABLE_OP_TYPES = frozenset([
+    "Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable",
+    "MutableHashTable", "MutableHashTableV2", "MutableHashTableOfTensors",
+    "MutableHashTableOfTensorsV2", "MutableDenseHashTable", "MutableDenseHashTableV2",
+])
+
+
+def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
+             variables_device="/cpu:0", update_ops="first", name="tower"):
+    """Builds synchronous data-parallel training of ``model_fn`` over ``devices``.
+
+    Each input is split along axis 0 into one shard per device (sizes differ
+    by at most one; the first towers get the larger shards). Tower ``i`` calls
+    ``model_fn(*shards_i)`` under ``name_scope("<name>_<i>")`` on
+    ``devices[i]``; the first tower creates the variables, the others reuse
+    them. Gradients and losses are averaged weighted by shard size, so the
+    update equals one device's update on the whole batch, uneven splits
+    included. A batch smaller than the number of towers works, since the
+    empty shards weigh 0 and tower 0 always has an example, except with
+    ``update_ops="all"``: an empty tower's batch-norm statistics are NaN, so
+    there every tower needs an example (``ValueError`` when the batch size is
+    static, ``InvalidArgumentError`` from the run otherwise).
+
+    Args:
+      optimizer: a ``tf.compat.v1.train.Optimizer``, a ``GradientAccumulator``
+        included (then each run is one micro-batch of ``towers x shard``
+        examples, and the update ops run on every micro-batch).
+      model_fn: callable taking one shard per input and returning the scalar
+        mean loss over that shard. Create variables with
+        ``tf.compat.v1.get_variable`` or ``tf.compat.v1.layers``.
+      inputs: a tensor, or a list or tuple of tensors with the same leading
+        (batch) dimension, static or not.
+      devices: list of device strings, one tower each. ``None``: every visible
+        GPU, else ``["/cpu:0"]``.
+      global_step: optional variable, incremented once per applied update.
+      variables_device: device of the shared variables; ``None`` puts them
+        with the first tower.
+      update_ops: ``"first"`` runs the ``UPDATE_OPS`` created by the first
+        tower, ``"all"`` every tower's (concurrently, in no set order),
+        ``None`` none. They become control dependencies of the train op.
+      name: name scope of the ops outside the towers, and the towers' prefix.
+
+    Returns:
+      A :class:`TowerTraining` ``(train_op, loss, towers)``.
+
+    Raises:
+      TypeError: for a non-optimizer, a non-callable ``model_fn``, inputs that
+        are not tensors, or a ``model_fn`` that returns no float tensor.
+      ValueError: for empty ``devices``, a bad ``update_ops`` or ``name``,
+        inputs whose static leading dimensions differ, a static batch that is
+        too small (0, or fewer than the towers with ``"all"``), a non-scalar
+        loss, or a later tower creating variables the first did not.
+      tf.errors.InvalidArgumentError: at run time, for a batch that is too
+        small or inputs whose leading dimensions differ, when not static.
+
+    Example:
+      >>> def model_fn(images, labels):
+      ...     logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(images), 10)
+      ...     return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
+      >>> result = tower.minimize(tf.compat.v1.train.AdamOptimizer(1e-3), model_fn,
+      ...                         [images, labels], devices=["/gpu:0", "/gpu:1"],
+      ...                         global_step=tf.compat.v1.train.get_or_create_global_step())
+      >>> sess.run([result.train_op, result.loss])
+    """
+    _validate.check_optimizer(optimizer)
+    if not callable(model_fn):
+        raise TypeError("`model_fn` must be callable, got %s" % _validate.describe(model_fn))
+    devices = _check_devices(devices)
+    variables_device = devices[0] if variables_device is None else _check_device(
+        variables_device, "variables_device")
+    if not (update_ops is None or (isinstance(update_ops, str) and update_ops in UPDATE_OPS_CHOICES)):
+        raise ValueError("`update_ops` must be one of %r, got %s"
+                         % (UPDATE_OPS_CHOICES, _validate.describe(update_ops)))
+    if not isinstance(name, str) or not name:
+        raise ValueError("`name` must be a non-empty string, got %s" % _validate.describe(name))
+    with tf.compat.v1.name_scope(name) as scope:
+        min_batch = len(devices) if update_ops == "all" else 1
+        batch_size, sizes, shards = _split(_check_inputs(inputs), len(devices), min_batch)
+    towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, devices, variables_device, name)
+    chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), None: []}[update_ops]
+    weights = _check_weights(sizes, len(devices))
+    with tf.compat.v1.name_scope(scope):
+        loss = _weighted_mean([t.loss for t in towers], weights)
+        grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
+    # In the caller's scope, so that the optimizer's variables (Adam's beta
+    # powers) get the names one device gives them: checkpoints interchange.
+    train_op = _apply(optimizer, grads_and_vars, global_step, batch_size, chosen)
+    return TowerTraining(train_op, loss, towers)
+
+
+def average_gradients(tower_grads, weights=None):
+    """Averages the towers' gradients variable by variable.
+
+    The average is ``sum_i(w_i * g_i) / sum_i(w_i)``: with each tower's mean
+    loss and ``w_i`` its shard size, that is the gradient of the mean loss over
+    the whole batch. A tower whose weight is 0 contributes nothing, even when
+    its gradient is NaN (the mean over an empty shard). A ``None`` gradient in
+    some towers counts as zero; a variable whose gradient is ``None`` in every
+    tower is dropped. ``IndexedSlices`` stay sparse: each tower's values are
+    scaled and the values and indices concatenated. Each average is built on
+    its variable's device.
+
+    Args:
+      tower_grads: non-empty list, one entry per tower, of ``(gradient,
+        variable)`` lists as returned by ``compute_gradients``.
+      weights: ``None`` (equal weights) or one weight per tower: numbers >= 0
+        or scalar tensors (for example shard sizes).
+
+    Returns:
+      A list of ``(gradient, variable)`` pairs in the first tower's order.
+
+    Raises:
+      TypeError: for a malformed ``tower_grads`` or a non-numeric weight.
+      ValueError: for an empty ``tower_grads``, towers that disagree on the
+        variable list, a ``weights`` of the wrong length, a negative weight
+        or number weights that are all zero.
+
+    Example:
+      >>> tower_grads = [opt.compute_gradients(loss_0), opt.compute_gradients(loss_1)]
+      >>> grads_and_vars = tower.average_gradients(tower_grads, weights=[64, 63])
+      >>> train_op = opt.apply_gradients(grads_and_vars)
+    """
+    towers = _check_tower_grads(tower_grads)
+    weights = _check_weights(weights, len(towers))
+    variables = _common_variables(towers)
+    by_name = [dict((var.name, grad) for grad, var in pairs) for pairs in towers]
+    kept = [(var, [grads[var.name] for grads in by_name]) for var in variables]
+    kept = [(var, grads) for var, grads in kept if any(g is not None for g in grads)]
+    with tf.compat.v1.name_scope("average_gradients"):
+        dtypes = set(grad.dtype.base_dtype for _, grads in kept for grad in grads if grad is not None)
+        scaled = dict((dtype, _normalized_weights(weights, dtype)) for dtype in dtypes)
+        averaged = []
+        for var, grads in kept:
+            with tf.compat.v1.device(var.device), tf.compat.v1.name_scope(var.op.name):
+                averaged.append((_average(grads, scaled), var))
+    return averaged
+
+
+# ------------------------------------------------------------ minimize's steps
+
+
+def _check_device(device, arg):
+    if not isinstance(device, str):
+        raise TypeError("`%s` must be a device string such as \"/gpu:0\", got %s"
+                        % (arg, _validate.describe(device)))
+    try:
+        tf.compat.v1.DeviceSpec.from_string(device)
+    except ValueError:
+        raise ValueError("`%s` must be a device string such as \"/gpu:0\", got %s"
+                         % (arg, _validate.describe(device))) from None
+    return device
+
+
+def _check_devices(devices):
+    if devices is None:
+        return _compat.visible_gpus() or ["/cpu:0"]
+    if not isinstance(devices, (list, tuple)):
+        raise TypeError("`devices` must be a non-empty list of device strings, got %s"
+                        % _validate.describe(devices))
+    if not devices:
+        raise ValueError("`devices` must be a non-empty list of device strings, got %s"
+                         % _validate.describe(devices))
+    return [_check_device(device, "devices") for device in devices]
+
+
+def _check_inputs(inputs):
+    """Converts ``inputs`` to a list of tensors that share a leading dimension."""
+    items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if not items:
+        raise ValueError("`inputs` must be a tensor or a non-empty list of tensors, got %s"
+                         % _validate.describe(inputs))
+    tensors = []
+    for item in items:
+        try:
+            tensor = tf.convert_to_tensor(item)
+        except (TypeError, ValueError):
+            raise TypeError("`inputs` must be tensors, got %s" % _validate.describe(item)) from None
+        if tensor.shape.ndims == 0:
+            raise ValueError("`inputs` must have a leading (batch) dimension, got the scalar %s"
+                             % _validate.describe(item))
+        tensors.append(tensor)
+    leading = [_leading(t) for t in tensors]
+    if len(set(size for size in leading if size is not None)) > 1:
+        raise ValueError("`inputs` must have the same leading (batch) dimension, got %s for %s"
+                         % (leading, _validate.describe(tensors)))
+    return tensors
+
+
+def _leading(tensor):
+    """The static leading dimension of ``tensor``, or None."""
+    return tf.compat.dimension_value(tensor.shape[0]) if tensor.shape.ndims else None
+
+
+def _split(tensors, count, min_batch):
+    """Splits each tensor into ``count`` shards whose sizes differ by at most one.
+
+    Returns ``(batch_size, sizes, shards)``: Python ints when the batch size is
+    static, else scalar tensors; ``shards[j][i]`` is input j's shard for tower i.
+    """
+    static = [_leading(t) for t in tensors if _leading(t) is not None]
+    if static:
+        batch_size = static[0]
+        if batch_size < min_batch:
+            raise ValueError("%s, got a batch of %d" % (_too_small(min_batch), batch_size))
+        # The first towers take the remainder, so tower 0 is never empty.
+        sizes = [batch_size // count + (1 if i < batch_size % count else 0) for i in range(count)]
+        split_sizes = sizes
+    else:
+        batch_size = tf.shape(tensors[0], name="batch_size")[0]
+        bonus = tf.cast(tf.range(count) < batch_size % count, tf.int32)
+        split_sizes = tf.add(batch_size // count, bonus, name="shard_sizes")
+        sizes = tf.unstack(split_sizes, num=count)
+    tensors = _checked(tensors, batch_size, min_batch)
+    shards = [tf.split(t, split_sizes, axis=0, num=count, name="split") for t in tensors]
+    return batch_size, sizes, shards
+
+
+def _too_small(min_batch):
+    if min_batch == 1:
+        return "`inputs` must hold at least one example"
+    return ("`inputs` must hold at least %d examples, one per tower, with update_ops='all' (an empty "
+            "tower's batch statistics are NaN and would be written into the moving averages)" % min_batch)
+
+
+def _checked(tensors, batch_size, min_batch):
+    """Makes the shards wait for run-time checks of what is not known statically."""
+    checks = []
+    if not isinstance(batch_size, int):
+        checks.append(tf.compat.v1.assert_greater_equal(
+            batch_size, min_batch, message=_too_small(min_batch) + ":", name="enough_examples"))
+    if len(tensors) > 1:
+        checks.extend(tf.compat.v1.assert_equal(
+            tf.shape(tensor)[0], batch_size, name="same_batch_%d" % index,
+            message="`inputs` must have the same leading (batch) dimension; input %d differs:" % index)
+            for index, tensor in enumerate(tensors) if _leading(tensor) is None)
+    if not checks:
+        return tensors
+    with tf.control_dependencies(checks):
+        return [tf.identity(tensor) for tensor in tensors]
+
+
+def _device_function(compute_device, variables_device):
+    """Places variable ops on ``variables_device`` and every other op on ``compute_device``.
+
+    A device the op already has (from a ``tf.device`` inside ``model_fn``, or
+    a variable read colocated with its variable) wins over this choice.
+    """
+    compute = tf.compat.v1.DeviceSpec.from_string(compute_device)
+    variables = tf.compat.v1.DeviceSpec.from_string(variables_device)
+
+    def choose(op):
+        op_type = op.type if hasattr(op, "type") else op.op  # An Operation or a NodeDef.
+        target = variables if op_type in _VARIABLE_OP_TYPES else compute
+        return target.make_merged_spec(tf.compat.v1.DeviceSpec.from_string(op.device or "")).to_string()
+
+    return choose
+
+
+def _build_towers(optimizer, model_fn, shards, devices, variables_device, name):
+    """Builds one tower per device; returns the towers and each tower's update ops."""
+    graph = tf.compat.v1.get_default_graph()
+    towers, update_ops = [], []
+    for index, device in enumerate(devices):
+        known = _variable_names(graph)
+        updates_before = len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+        with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True if index else None,
+                                         auxiliary_name_scope=False), \
+                tf.compat.v1.device(_device_function(device, variables_device)), \
+                tf.compat.v1.name_scope("%s_%d" % (name, index)) as scope:
+            loss = _check_loss(model_fn(*[per_input[index] for per_input in shards]), index)
+            if index:
+                _check_no_new_variables(graph, known, index)
+            update_ops.append(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)[updates_before:])
+            towers.append(Tower(device, scope, loss, optimizer.compute_gradients(loss)))
+    return towers, update_ops
+
+
+def _check_loss(loss, index):
+    if not isinstance(loss, tf.Tensor):
+        raise TypeError("`model_fn` must return a scalar loss tensor, got %s in tower %d"
+                        % (_validate.describe(loss), index))
+    if not loss.dtype.base_dtype.is_floating:
+        raise TypeError("`model_fn` must return a floating-point loss, got dtype %s in tower %d (%s)"
+                        % (loss.dtype.base_dtype.name, index, _validate.describe(loss)))
+    if loss.shape.ndims != 0:
+        raise ValueError("`model_fn` must return a scalar loss (the mean over its shard), got shape %s "
+                         "in tower %d: reduce it with tf.reduce_mean" % (loss.shape, index))
+    return loss
+
+
+def _variable_names(graph):
+    found = graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+    found += graph.get_collection(tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+    return set(var.name for var in found)
+
+
+def _check_no_new_variables(graph, known, index):
+    created = sorted(_variable_names(graph) - known)
+    if created:
+        raise ValueError(
+            "`model_fn` created variables in tower %d that tower 0 did not: %s; create variables "
+            "with tf.compat.v1.get_variable or tf.compat.v1.layers (not tf.Variable or Keras "
+            "layers) so that the towers share them" % (index, _validate.describe(created)))
+
+
+def _weighted_mean(values, weights):
+    dtype = values[0].dtype.base_dtype
+    parts = [_scaled(value, weight) for value, weight in zip(values, _normalized_weights(weights, dtype))]
+    return tf.add_n(parts, name="loss")
+
+
+def _apply(optimizer, grads_and_vars, global_step, batch_size, update_ops):
+    """Applies the averaged gradients after ``update_ops`` (on every micro-batch)."""
+    with tf.control_dependencies(update_ops):
+        if isinstance(optimizer, GradientAccumulator):
+            # A micro-batch weighs its example count, so uneven micro-batches stay exact.
+            return optimizer.apply_gradients(grads_and_vars, global_step=global_step, weight=batch_size)
+        return optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+
+
+# ---------------------------------------------------- average_gradients' steps
+
+
+def _check_tower_grads(tower_grads):
+    """Returns ``tower_grads`` as a list of lists of ``(grad, var)`` pairs."""
+    if not isinstance(tower_grads, (list, tuple)):
+        raise TypeError("`tower_grads` must be a list (one entry per tower) of (gradient, variable) "
+                        "lists, got %s" % _validate.describe(tower_grads))
+    if not tower_grads:
+        raise ValueError("`tower_grads` must hold at least one tower, got %s"
+                         % _validate.describe(tower_grads))
+    towers = []
+    for index, pairs in enumerate(tower_grads):
+        try:
+            pairs = [(grad, var) for grad, var in pairs]
+        except (TypeError, ValueError):
+            raise TypeError("`tower_grads[%d]` must be a list of (gradient, variable) pairs, got %s"
+                            % (index, _validate.describe(pairs))) from None
+        for _, var in pairs:
+            if not isinstance(var, tf.Variable):
+                raise TypeError("`tower_grads[%d]` must pair gradients with variables, got %s"
+                                % (index, _validate.describe(var)))
+        towers.append(pairs)
+    return towers
+
+
+def _check_weights(weights, count):
+    """Returns one weight per tower: floats when all are numbers, else tensors."""
+    if weights is None:
+        return [1.0] * count
+    if not isinstance(weights, (list, tuple)) or len(weights) != count:
+        raise ValueError("`weights` must be None or a list with one weight per tower (%d), got %s"
+                         % (count, _validate.describe(weights)))
+    if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
+        return [_validate.check_scalar_tensor(w, "weights") for w in weights]
+    if any(not 0 <= float(w) < float("inf") for w in weights) or not any(float(w) > 0 for w in weights):
+        raise ValueError("`weights` must be finite numbers >= 0, not all zero, got %s"
+                         % _validate.describe(weights))
+    return [float(w) for w in weights]
+
+
+def _common_variables(towers):
+    """Returns the first tower's variables; raises when a tower differs."""
+    first = [var for _, var in towers[0]]
+    names = [var.name for var in first]
+    if len(set(names)) != len(names):
+        raise ValueError("`tower_grads[0]` lists a variable twice: %s" % _validate.describe(names))
+    for index, pairs in enumerate(towers[1:], 1):
+        other = [var.name for _, var in pairs]
+        missing, extra = sorted(set(names) - set(other)), sorted(set(other) - set(names))
+        if missing or extra or len(other) != len(names):
+            raise ValueError(
+                "`tower_grads` disagree on the variable list: tower %d lacks %s and has extra %s "
+                "(or repeats one) compared with tower 0" % (index, missing, extra))
+    return first
+
+
+def _normalized_weights(weights, dtype):
+    """Returns ``w_i / sum(w)`` as ``dtype`` scalars (0 for all when the sum is 0)."""
+    if all(isinstance(w, float) for w in weights):
+        total = sum(weights)
+        return [tf.constant(w / total, dtype=dtype) for w in weights]
+    # divide_no_nan has float32 and float64 kernels only.
+    wide = tf.float64 if dtype == tf.float64 else tf.float32
+    cast = [tf.cast(w, wide) for w in weights]
+    total = tf.add_n(cast)
+    return [tf.cast(tf.math.divide_no_nan(w, total), dtype) for w in cast]
+
+
+def _scaled(value, weight):
+    """``value * weight``, exactly 0 when ``weight`` is 0 even if ``value`` is NaN (an empty shard)."""
+    if value.dtype.base_dtype in (tf.float32, tf.float64):
+        return tf.math.multiply_no_nan(value, weight)
+    # TF 1.15's multiply_no_nan has float32 and float64 kernels only.
+    return tf.compat.v1.where(weight > 0, value * weight, tf.zeros_like(value))
+
+
+def _average(grads, scaled):
+    """``sum_i(w_i * grads_i)``, sparse when every present gradient is.
+
+    ``scaled`` maps a dtype to the normalized weights ``w_i`` in that dtype.
+    """
+    present = [(grad, scaled[grad.dtype.base_dtype][index]) for index, grad in enumerate(grads)
+               if grad is not None]
+    if all(isinstance(grad, tf.IndexedSlices) for grad, _ in present):
+        return _average_sparse(present)
+    parts = [_scaled(tf.convert_to_tensor(grad), weight) for grad, weight in present]
+    return tf.add_n(parts, name="average")
+
+
+def _average_sparse(present):
+    index_dtypes = set(grad.indices.dtype for grad, _ in present)
+    index_dtype = index_dtypes.pop() if len(index_dtypes) == 1 else tf.int64
+    values = tf.concat([_scaled(grad.values, weight) for grad, weight in present], 0, name="values")
+    indices = tf.concat([tf.cast(grad.indices, index_dtype) for grad, _ in present], 0, name="indices")
+    return tf.IndexedSlices(values, indices, dense_shape=present[0][0].dense_shape)

@@ -1,0 +1,265 @@
+"""Tests of gradaccum.launch: helpers, and process supervision with tiny non-TF tasks.
+
+The supervised tasks are short Python snippets (no TensorFlow), run by
+``launch.main`` in this process, so each case takes well under a second unless
+it waits for a grace period on purpose.
+"""
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+from gradaccum import cluster, launch
+
+pytestmark = pytest.mark.timeout(60)
+
+# Each task prints its TF_CONFIG task and then behaves as argv[1] says.
+_TASK = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = "%s:%d" % (task["type"], task["index"])
+    chief = name == "worker:0"
+    mode = sys.argv[1]
+    print("task", name, "cluster", json.dumps(json.loads(os.environ["TF_CONFIG"])["cluster"], sort_keys=True))
+    print("second line", end="")
+    sys.stdout.flush()
+    if mode == "chief_status_3":
+        sys.exit(3 if chief else 0)
+    if mode == "worker1_dies":
+        if name == "worker:1":
+            time.sleep(0.5)
+            sys.exit(7)
+        time.sleep(120)
+    if mode == "others_hang":
+        if not chief:
+            time.sleep(120)
+    if mode == "all_hang":
+        time.sleep(120)
+    if mode == "grandchild":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print("grandchild", child.pid)
+        sys.stdout.flush()
+        time.sleep(120)
+""")
+
+
+def _run(args, mode, script_dir):
+    """Runs launch.main in-process; returns (status, stdout text, stderr text)."""
+    script = os.path.join(str(script_dir), "task.py")
+    with open(script, "w") as handle:
+        handle.write(_TASK)
+    out, err = io.BytesIO(), io.StringIO()
+    status = launch.main(args + ["--", sys.executable, script, mode], stdout=out, stderr=err)
+    return status, out.getvalue().decode(), err.getvalue()
+
+
+def _started_pids(err):
+    return [int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", err)]
+
+
+def _assert_all_gone(pids):
+    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+
+
+def test_pick_free_ports_are_distinct_and_bindable():
+    ports = launch.pick_free_ports(4)
+    assert len(set(ports)) == 4
+    for port in ports:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        sock.close()
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, True])
+def test_pick_free_ports_rejects_bad_count(count):
+    with pytest.raises(ValueError, match=r"`count` must be an int >= 1, got %s" % re.escape(repr(count))):
+        launch.pick_free_ports(count)
+
+
+def test_build_cluster_and_tf_config_round_trip_through_the_parser():
+    built = launch.build_cluster(2, 1, "127.0.0.1", [4001, 4002, 4003])
+    assert built == {"worker": ["127.0.0.1:4001", "127.0.0.1:4002"], "ps": ["127.0.0.1:4003"]}
+    config = cluster.parse_tf_config(launch.tf_config_for(built, "ps", 0))
+    assert (config.cluster, config.task_name, config.is_chief) == (built, "ps:0", False)
+    assert launch.build_cluster(1, 0, "h", [9]) == {"worker": ["h:9"]}
+
+
+@pytest.mark.parametrize("workers, ps, ports, match", [
+    (0, 0, [], r"`workers` must be an int >= 1, got 0"),
+    (1, -1, [1], r"`ps` must be an int >= 0, got -1"),
+    (2, 0, [1], r"`ports` must hold 2 ports, got \[1\]"),
+])
+def test_build_cluster_rejects_bad_counts(workers, ps, ports, match):
+    with pytest.raises(ValueError, match=match):
+        launch.build_cluster(workers, ps, "127.0.0.1", ports)
+
+
+@pytest.mark.parametrize("returncode, text, status", [
+    (0, "exit status 0", 0),
+    (3, "exit status 3", 3),
+    (-9, "signal 9 (SIGKILL)", 137),
+    (-15, "signal 15 (SIGTERM)", 143),
+])
+def test_describe_status_and_shell_status(returncode, text, status):
+    assert launch.describe_status(returncode) == text
+    assert launch.shell_status(returncode) == status
+
+
+def test_copy_prefixed_prefixes_every_line_and_ends_the_last_one():
+    sink = io.BytesIO()
+    launch.copy_prefixed(io.BytesIO(b"a\n\nb c\nlast"), sink, b"[worker:1] ", threading.Lock())
+    assert sink.getvalue() == b"[worker:1] a\n[worker:1] \n[worker:1] b c\n[worker:1] last\n"
+
+
+class _BrokenSink(object):
+    def __init__(self):
+        self.writes = 0
+
+    def write(self, data):
+        self.writes += 1
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        pass
+
+
+def test_copy_prefixed_drains_the_source_after_the_sink_breaks():
+    source, sink = io.BytesIO(b"one\ntwo\nthree\n"), _BrokenSink()
+    launch.copy_prefixed(source, sink, b"[ps:0] ", threading.Lock())
+    assert (sink.writes, source.read()) == (1, b"")
+
+
+def test_parse_args_takes_the_command_after_the_separator():
+    args = launch.parse_args(["--workers", "3", "--ps", "1", "--", "python", "t.py", "--steps", "5"])
+    assert (args.workers, args.ps, args.command) == (3, 1, ["python", "t.py", "--steps", "5"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--workers", "2"], "no command given"),
+    (["--workers", "0", "--", "python"], r"`--workers` must be >= 1 and `--ps` >= 0, got 0 and 0"),
+    (["--workers", "2", "--grace", "0", "--", "python"], r"`--grace` must be in \(0, 30\]"),
+    (["--", "python"], "the following arguments are required: --workers"),
+])
+def test_parse_args_errors_are_one_line(argv, match, capsys):
+    with pytest.raises(SystemExit) as info:
+        launch.parse_args(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("gradaccum.launch: error:")
+    assert re.search(match, err)
+
+
+def test_every_task_gets_its_tf_config_and_a_prefix(tmp_path):
+    status, out, err = _run(["--workers", "2", "--ps", "1"], "ok", tmp_path)
+    assert status == 0
+    clusters = {}
+    for name in ("worker:0", "worker:1", "ps:0"):
+        line = re.search(r"^\[%s\] task %s cluster (.*)$" % (name, name), out, re.M)
+        clusters[name] = json.loads(line.group(1))
+        assert "[%s] second line\n" % name in out
+    assert len({json.dumps(c, sort_keys=True) for c in clusters.values()}) == 1
+    ports = [int(a.rsplit(":", 1)[1]) for a in clusters["ps:0"]["worker"] + clusters["ps:0"]["ps"]]
+    assert len(set(ports)) == 3
+    assert all(line.startswith(("[worker:0] ", "[worker:1] ", "[ps:0] ")) for line in out.splitlines())
+    _assert_all_gone(_started_pids(err))
+
+
+def test_exits_with_the_chief_status(tmp_path):
+    status, _, err = _run(["--workers", "2"], "chief_status_3", tmp_path)
+    assert status == 3
+    assert "chief worker:0 (pid %d) ended with exit status 3" % _started_pids(err)[0] in err
+    _assert_all_gone(_started_pids(err))
+
+
+def test_a_dead_worker_stops_the_job_and_is_named_in_one_line(tmp_path):
+    status, _, err = _run(["--workers", "3", "--grace", "2"], "worker1_dies", tmp_path)
+    pids = _started_pids(err)
+    assert status == 1
+    lines = [line for line in err.splitlines() if "died" in line]
+    assert lines == ["gradaccum.launch: worker:1 (pid %d) died with exit status 7; stopping the other tasks"
+                     % pids[1]]
+    _assert_all_gone(pids)
+
+
+def test_tasks_still_running_after_the_chief_are_stopped(tmp_path):
+    status, _, err = _run(["--workers", "2", "--ps", "1", "--shutdown-timeout", "0.5"], "others_hang", tmp_path)
+    assert status == 0
+    assert "worker:1, ps:0 still running 0.5 s after the chief finished; stopping them" in err
+    _assert_all_gone(_started_pids(err))
+
+
+def _cmdline(process):
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:  # It exited meanwhile.
+        return ""
+
+
+def _signal_when_grandchildren_run(count, stop):
+    """SIGTERMs this process once ``count`` grandchildren sleep (or after 30 s)."""
+    me = psutil.Process()
+    for _ in range(300):
+        sleepers = [p for p in me.children(recursive=True) if "time.sleep(120)" in _cmdline(p)]
+        if len(sleepers) >= count or stop.wait(0.1):
+            break
+    if not stop.is_set():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_to_the_launcher_kills_tasks_and_grandchildren(tmp_path):
+    stop = threading.Event()
+    watcher = threading.Thread(target=_signal_when_grandchildren_run, args=(2, stop))
+    watcher.start()
+    try:
+        status, out, err = _run(["--workers", "2", "--grace", "1"], "grandchild", tmp_path)
+    finally:
+        stop.set()
+        watcher.join()
+    grandchildren = [int(pid) for pid in re.findall(r"grandchild (\d+)", out)]
+    assert status == 128 + signal.SIGTERM
+    assert "received SIGTERM; stopping all tasks" in err
+    assert len(grandchildren) == 2
+    _assert_all_gone(_started_pids(err) + grandchildren)
+
+
+def test_a_command_that_cannot_start_is_one_line(tmp_path):
+    out, err = io.BytesIO(), io.StringIO()
+    missing = str(tmp_path / "no_such_program")
+    status = launch.main(["--workers", "2", "--", missing], stdout=out, stderr=err)
+    assert status == 127
+    assert err.getvalue() == "gradaccum.launch: cannot start %r: No such file or directory\n" % missing
+
+
+def test_tasks_die_when_the_launcher_is_killed(tmp_path):
+    script = str(tmp_path / "task.py")
+    with open(script, "w") as handle:
+        handle.write(_TASK)
+    launcher_file = os.path.join(os.path.dirname(launch.__file__), "launch.py")
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import runpy; runpy.run_path(%r, run_name='__main__')" % launcher_file,
+         "--workers", "2", "--", sys.executable, script, "all_hang"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        tasks = []
+        for _ in range(300):  # Up to 30 s for both tasks to start.
+            tasks = psutil.Process(launcher.pid).children()
+            if len(tasks) == 2:
+                break
+            time.sleep(0.1)
+        assert len(tasks) == 2
+    finally:
+        launcher.kill()  # SIGKILL: no handler, no atexit runs in the launcher.
+        launcher.wait(10)
+    gone, alive = psutil.wait_procs(tasks, timeout=10)
+    assert alive == [] and len(gone) == 2
