@@ -17,14 +17,14 @@ def describe(value):
       value: anything.
 
     Returns:
-      A string of at most about 80 characters.
+      A string of at most about 200 characters.
 
     Example:
       >>> describe([1, 2])
       '[1, 2]'
     """
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def check_optimizer(optimizer, arg="optimizer"):

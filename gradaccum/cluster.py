@@ -31,26 +31,20 @@ import re
 import socket
 import time
 
+from gradaccum import _validate
 from gradaccum._compat import tf
 
 TF_CONFIG_VAR = "TF_CONFIG"
 TASK_TYPES = ("chief", "worker", "ps")
 _DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
-_MAX_REPR = 200
 
 
 class ClusterError(RuntimeError):
     """A cluster task cannot start or lost its peers; the message is one line."""
 
 
-def _short(value):
-    """Returns a one-line repr of ``value``, cut to a readable length."""
-    text = repr(value)
-    return text if len(text) <= _MAX_REPR else text[:_MAX_REPR] + "...'"
-
-
 def _config_error(what, value):
-    return ValueError("`TF_CONFIG` %s, got %s" % (what, _short(value)))
+    return ValueError("`TF_CONFIG` %s, got %s" % (what, _validate.describe(value)))
 
 
 class ClusterConfig(collections.namedtuple("ClusterConfig", ["cluster", "task_type", "task_index"])):
@@ -227,12 +221,12 @@ def _device_names(config, device):
         device = [device] * config.num_towers
     if not isinstance(device, (list, tuple)) or len(device) != config.num_towers:
         raise ValueError("`device` must be a device string or a list of %d (one per compute task), got %s"
-                         % (config.num_towers, _short(device)))
+                         % (config.num_towers, _validate.describe(device)))
     names = []
     for item in device:
         match = _DEVICE_RE.match(item) if isinstance(item, str) else None
         if match is None:
-            raise ValueError("`device` entries must look like \"cpu:0\" or \"gpu:1\", got %s" % _short(item))
+            raise ValueError("`device` entries must look like \"cpu:0\" or \"gpu:1\", got %s" % _validate.describe(item))
         names.append("%s:%s" % (match.group(1).lower(), match.group(2)))
     return names
 
@@ -281,7 +275,7 @@ def variables_device(config, ps_task=0):
     if not num_ps:
         return "/job:%s/task:%d/cpu:0" % config.chief
     if not isinstance(ps_task, int) or isinstance(ps_task, bool) or not 0 <= ps_task < num_ps:
-        raise ValueError("`ps_task` must be an int in 0..%d, got %s" % (num_ps - 1, _short(ps_task)))
+        raise ValueError("`ps_task` must be an int in 0..%d, got %s" % (num_ps - 1, _validate.describe(ps_task)))
     return "/job:ps/task:%d" % ps_task
 
 
@@ -551,11 +545,10 @@ class AllReduceOnApply(tf.compat.v1.train.Optimizer):
     """
 
     def __init__(self, optimizer, all_reduce, name="AllReduceOnApply"):
-        if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
-            raise TypeError("`optimizer` must be a tf.compat.v1.train.Optimizer, got %s" % _short(optimizer))
+        _validate.check_optimizer(optimizer)
         if not callable(all_reduce):
             raise TypeError("`all_reduce` must be callable (gradient -> reduced gradient), got %s"
-                            % _short(all_reduce))
+                            % _validate.describe(all_reduce))
         super(AllReduceOnApply, self).__init__(use_locking=False, name=name)
         self._optimizer = optimizer
         self._all_reduce = all_reduce

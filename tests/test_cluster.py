@@ -263,7 +263,7 @@ def test_all_reduce_on_apply_delegates_slots_and_checks_arguments():
         assert opt.get_slot_names() == ["momentum"]
         assert opt.get_slot(w, "momentum") is momentum.get_slot(w, "momentum")
         assert opt.variables() == momentum.variables()
-    with pytest.raises(TypeError, match=r"`optimizer` must be a tf.compat.v1.train.Optimizer, got 'sgd'"):
+    with pytest.raises(TypeError, match=r"`optimizer` must be a tf.compat.v1.train.Optimizer, got str: 'sgd'"):
         cluster.AllReduceOnApply("sgd", tf.identity)
     with pytest.raises(TypeError, match=r"`all_reduce` must be callable .*, got None"):
         cluster.AllReduceOnApply(momentum, None)
