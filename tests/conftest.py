@@ -14,6 +14,8 @@ TensorFlow is imported, when ``tf_keras`` is installed, so that
 import importlib.util
 import os
 
+EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
 # tf.compat.v1.layers needs tf_keras on TF >= 2.16; TF 1.15 to 2.15 have Keras 2 built in,
 # and there the variable would break tf.compat.v1.layers if tf_keras is absent.
 if importlib.util.find_spec("tf_keras") is not None:
@@ -55,3 +57,12 @@ def pytest_report_header(config):
 def tf_mode(request):
     """The TensorFlow behaviour this run uses: ``"tf1"`` or ``"tf2"``."""
     return request.config.getoption("--tf-mode")
+
+
+@pytest.fixture(scope="module")
+def parabola_example():
+    """``examples/parabola_sync.py`` loaded as a module (it is a script, not a package)."""
+    spec = importlib.util.spec_from_file_location("parabola_sync", os.path.join(EXAMPLES_DIR, "parabola_sync.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,9 +5,7 @@ loopback ports; they live until the test process ends (TensorFlow cannot stop
 one), which is harmless. The multi-process runs are in test_distributed.py.
 """
 import contextlib
-import importlib.util
 import json
-import os
 import re
 import socket
 import threading
@@ -21,7 +19,6 @@ from gradaccum._compat import tf
 
 pytestmark = pytest.mark.timeout(60)
 
-_EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "parabola_sync.py")
 
 
 def _tf_config(cluster_spec, task_type="worker", index=0):
@@ -269,32 +266,25 @@ def test_all_reduce_on_apply_delegates_slots_and_checks_arguments():
         cluster.AllReduceOnApply(momentum, None)
 
 
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("parabola_sync", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("tf_config, match", [
     ("{oops", r"`TF_CONFIG` is not valid JSON"),
     (_tf_config(_WORKERS, "evaluator", 0), r"task has unknown task type .*, got 'evaluator'"),
     (_tf_config(_WORKERS, "worker", 5), r"task index is outside the cluster: job 'worker' has tasks 0..1, got 5"),
 ])
-def test_example_prints_one_error_line_for_a_bad_tf_config(example, tf_config, match, monkeypatch, capsys):
+def test_example_prints_one_error_line_for_a_bad_tf_config(parabola_example, tf_config, match, monkeypatch,
+                                                           capsys):
     monkeypatch.setenv("TF_CONFIG", tf_config)
-    assert example.main(["--steps", "1"]) == 2
+    assert parabola_example.main(["--steps", "1"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("parabola_sync.py: error: ")
     assert re.search(match, captured.err)
 
 
-def test_example_prints_one_error_line_for_a_busy_port(example, monkeypatch, capsys):
+def test_example_prints_one_error_line_for_a_busy_port(parabola_example, monkeypatch, capsys):
     with _listening_socket() as (_, address):
         monkeypatch.setenv("TF_CONFIG", _tf_config({"worker": [address]}))
-        assert example.main(["--steps", "1"]) == 1
+        assert parabola_example.main(["--steps", "1"]) == 1
     err = capsys.readouterr().err
     assert err == ("parabola_sync.py: error: cannot start worker:0: port %s of %r is already in use by another "
                    "process\n" % (address.rsplit(":", 1)[1], address))

@@ -6,7 +6,6 @@ subprocess with a timeout; every test checks that no process it started is
 left. Run only these with ``-m distributed``, skip them with
 ``-m "not distributed"``.
 """
-import importlib.util
 import os
 import queue
 import re
@@ -32,15 +31,7 @@ _RUN_TIMEOUT = 150
 
 
 @pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("parabola_sync", _EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def reference(example, tmp_path_factory):
+def reference(parabola_example, tmp_path_factory):
     """Runs the single-process example for ``steps`` steps (cached); returns its npz."""
     cache = {}
 
@@ -49,7 +40,7 @@ def reference(example, tmp_path_factory):
             out = str(tmp_path_factory.mktemp("reference") / "single.npz")
             saved = os.environ.pop("TF_CONFIG", None)
             try:
-                assert example.main(["--steps", str(steps), "--out", out]) == 0
+                assert parabola_example.main(["--steps", str(steps), "--out", out]) == 0
             finally:
                 if saved is not None:
                     os.environ["TF_CONFIG"] = saved
