@@ -51,7 +51,6 @@ from gradaccum import tower  # noqa: E402
 # Small enough that thousands of soak steps on random labels stay finite.
 LEARNING_RATE = 1e-3
 MODELS = ("cnn", "mlp")
-ACCUMULATING = ("fused", "fused_float64", "manual", "tensorpack", "horovod")
 
 # What one window runs: `before` and `after` without a feed, `each` once per micro-batch.
 Window = collections.namedtuple("Window", ["before", "each", "after"])
