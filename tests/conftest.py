@@ -66,3 +66,25 @@ def parabola_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def parabola_reference(parabola_example, tmp_path_factory):
+    """Returns ``run(steps)``: the single-process, full-batch parabola run's npz (cached)."""
+    import numpy as np
+
+    cache = {}
+
+    def run(steps):
+        if steps not in cache:
+            out = str(tmp_path_factory.mktemp("reference") / "single.npz")
+            saved = os.environ.pop("TF_CONFIG", None)  # a reference is one process
+            try:
+                assert parabola_example.main(["--steps", str(steps), "--out", out]) == 0
+            finally:
+                if saved is not None:
+                    os.environ["TF_CONFIG"] = saved
+            cache[steps] = dict(np.load(out))
+        return cache[steps]
+
+    return run

@@ -30,26 +30,6 @@ _STEPS = 150
 _RUN_TIMEOUT = 150
 
 
-@pytest.fixture(scope="module")
-def reference(parabola_example, tmp_path_factory):
-    """Runs the single-process example for ``steps`` steps (cached); returns its npz."""
-    cache = {}
-
-    def run(steps):
-        if steps not in cache:
-            out = str(tmp_path_factory.mktemp("reference") / "single.npz")
-            saved = os.environ.pop("TF_CONFIG", None)
-            try:
-                assert parabola_example.main(["--steps", str(steps), "--out", out]) == 0
-            finally:
-                if saved is not None:
-                    os.environ["TF_CONFIG"] = saved
-            cache[steps] = dict(np.load(out))
-        return cache[steps]
-
-    return run
-
-
 def _env():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")])))
     env.pop("TF_CONFIG", None)
@@ -167,10 +147,10 @@ def _assert_matches(run, ref, first_step=0):
 
 
 @pytest.mark.parametrize("workers, ps", [(2, 0), (3, 1)])
-def test_workers_match_the_single_process_full_batch_run(workers, ps, reference, tmp_path):
+def test_workers_match_the_single_process_full_batch_run(workers, ps, parabola_reference, tmp_path):
     out_file = str(tmp_path / "run.npz")
     out, _ = _launch(workers, ["--steps", str(_STEPS), "--out", out_file], ps)
-    run, ref = dict(np.load(out_file)), reference(_STEPS)
+    run, ref = dict(np.load(out_file)), parabola_reference(_STEPS)
     _assert_matches(run, ref)
     assert float(ref["losses"][-1]) < 0.5 * float(ref["losses"][0])  # It does learn.
     # Every worker computed its share: each task's CPU ran ops of the traced loss.
@@ -182,13 +162,13 @@ def test_workers_match_the_single_process_full_batch_run(workers, ps, reference,
     np.testing.assert_allclose([float(loss) for _, loss in printed], ref["losses"][::50], atol=2e-6)
 
 
-def test_accumulation_on_top_matches_one_process_on_the_same_batch(reference, tmp_path):
+def test_accumulation_on_top_matches_one_process_on_the_same_batch(parabola_reference, tmp_path):
     out_file = str(tmp_path / "run.npz")
     _launch(2, ["--steps", str(_STEPS), "--accumulate", "2", "--out", out_file])
-    _assert_matches(dict(np.load(out_file)), reference(_STEPS))
+    _assert_matches(dict(np.load(out_file)), parabola_reference(_STEPS))
 
 
-def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(reference, tmp_path):
+def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(parabola_reference, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     job = _Job(2, ["--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "50"])
     worker_pid = int(job.wait_for_line(r"started worker:1 \(pid (\d+)\)", 60).group(1))
@@ -205,4 +185,4 @@ def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(r
     out_file = str(tmp_path / "resumed.npz")
     out, _ = _launch(2, ["--steps", str(saved + 50), "--checkpoint-dir", ckpt, "--out", out_file])
     assert re.search(r"^\[worker:0\] restored global_step %d from .*model\.ckpt-%d$" % (saved, saved), out, re.M)
-    _assert_matches(dict(np.load(out_file)), reference(saved + 50), first_step=saved)
+    _assert_matches(dict(np.load(out_file)), parabola_reference(saved + 50), first_step=saved)

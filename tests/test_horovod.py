@@ -8,7 +8,6 @@ micro-batches per update; the result must equal one process's full-batch run,
 and the all-reduce must have run once per variable per update, never per
 micro-batch.
 """
-import importlib.util
 import os
 import subprocess
 import sys
@@ -67,21 +66,6 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("parabola_sync", _EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    out = str(tmp_path_factory.mktemp("reference") / "single.npz")
-    saved = os.environ.pop("TF_CONFIG", None)
-    try:
-        assert example.main(["--steps", str(_STEPS), "--out", out]) == 0
-    finally:
-        if saved is not None:
-            os.environ["TF_CONFIG"] = saved
-    return dict(np.load(out))
-
-
 def _run_ranks(tmp_path, ranks, k):
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
@@ -100,7 +84,8 @@ def _run_ranks(tmp_path, ranks, k):
     1,
     pytest.param(2, marks=pytest.mark.distributed),
 ])
-def test_accumulated_allreduce_matches_the_full_batch_run(ranks, reference, tmp_path):
+def test_accumulated_allreduce_matches_the_full_batch_run(ranks, parabola_reference, tmp_path):
+    reference = parabola_reference(_STEPS)
     k = 2
     for rank in _run_ranks(tmp_path, ranks, k):
         for name in _WEIGHTS:
