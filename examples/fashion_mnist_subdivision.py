@@ -29,6 +29,7 @@ import argparse
 import collections
 import importlib.util
 import os
+import random
 import resource
 import sys
 import time
@@ -461,7 +462,10 @@ def main(args, data):
         tf.compat.v1.disable_eager_execution()  # The test suite's second behaviour.
     else:
         tf.compat.v1.disable_v2_behavior()
+    # Under TF2 behaviour the v1 layers' initialisers come from tf-keras, which
+    # ignores the graph seed and draws from Python's random: seed both.
     tf.compat.v1.set_random_seed(args.seed)
+    random.seed(args.seed)
     training = build_training(config_from_args(args))
     parts = 1 if args.no_subdivisions else args.subdivisions
     micro_batch, per_epoch = args.batch_size // parts, len(data.train_labels) // args.batch_size

@@ -30,6 +30,7 @@ import collections
 
 from gradaccum import _validate
 from gradaccum._compat import in_control_flow, tf
+from gradaccum._wrapper import WrappingOptimizer
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.
@@ -44,7 +45,7 @@ _Window = collections.namedtuple(
 _Slot = collections.namedtuple("_Slot", ["var", "accum", "touched"])
 
 
-class GradientAccumulator(tf.compat.v1.train.Optimizer):
+class GradientAccumulator(WrappingOptimizer):
     """Wraps a ``tf.compat.v1.train.Optimizer`` to apply once every k micro-batches.
 
     The train op is run once per micro-batch. Runs 1 to k-1 of a window only
@@ -102,18 +103,10 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
         if not isinstance(skip_nonfinite, bool):
             raise TypeError("`skip_nonfinite` must be a bool, got %s" % _validate.describe(skip_nonfinite))
         self._skip_nonfinite = skip_nonfinite
-        if not isinstance(name, str) or not name:
-            raise ValueError("`name` must be a non-empty string, got %s" % _validate.describe(name))
-        super(GradientAccumulator, self).__init__(use_locking=False, name=name)
-        self._optimizer = optimizer
+        super(GradientAccumulator, self).__init__(optimizer, name)
         self._window = None
 
     # ------------------------------------------------------------------ API
-
-    @property
-    def optimizer(self):
-        """The wrapped ``tf.compat.v1.train.Optimizer``."""
-        return self._optimizer
 
     @property
     def num_micro_batches(self):
@@ -124,21 +117,6 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
     def clip_norm(self):
         """The global-norm clip applied to the averaged gradients, or ``None``."""
         return self._clip_norm
-
-    def compute_gradients(self, *args, **kwargs):
-        """Delegates to the wrapped optimizer, so that loss scaling keeps working.
-
-        Args:
-          *args: as ``tf.compat.v1.train.Optimizer.compute_gradients``.
-          **kwargs: as ``tf.compat.v1.train.Optimizer.compute_gradients``.
-
-        Returns:
-          The wrapped optimizer's list of ``(gradient, variable)`` pairs.
-
-        Example:
-          >>> grads_and_vars = opt.compute_gradients(loss)
-        """
-        return self._optimizer.compute_gradients(*args, **kwargs)
 
     def minimize(self, loss, global_step=None, var_list=None,
                  gate_gradients=tf.compat.v1.train.Optimizer.GATE_OP,
@@ -282,50 +260,6 @@ class GradientAccumulator(tf.compat.v1.train.Optimizer):
     def accumulators(self):
         """The accumulator variables, one per variable with a gradient."""
         return [slot.accum for slot in self._built().slots]
-
-    def get_slot(self, var, name):
-        """Returns slot ``name`` of ``var``: this wrapper's or the wrapped optimizer's.
-
-        Args:
-          var: a variable this optimizer trains.
-          name: ``"accum"``, ``"touched"`` or a slot name of the wrapped optimizer
-            (for Adam ``"m"`` and ``"v"``).
-
-        Returns:
-          The slot variable, or ``None``.
-
-        Example:
-          >>> opt.get_slot(kernel, "m")  # Adam's first moment
-        """
-        own = super(GradientAccumulator, self).get_slot(var, name)
-        return own if own is not None else self._optimizer.get_slot(var, name)
-
-    def get_slot_names(self):
-        """Returns the slot names of this wrapper and of the wrapped optimizer.
-
-        Returns:
-          A sorted list of strings.
-
-        Example:
-          >>> opt.get_slot_names()
-          ['accum', 'm', 'v']
-        """
-        own = super(GradientAccumulator, self).get_slot_names()
-        return sorted(set(own) | set(self._optimizer.get_slot_names()))
-
-    def variables(self):
-        """Returns every state variable: accumulators, counters and the wrapped optimizer's.
-
-        Returns:
-          A list of variables sorted by name.
-
-        Example:
-          >>> saver = tf.compat.v1.train.Saver(opt.variables())
-        """
-        found = {}
-        for var in list(super(GradientAccumulator, self).variables()) + list(self._optimizer.variables()):
-            found[var.name] = var
-        return [found[key] for key in sorted(found)]
 
     # ------------------------------------------------------------ building
 

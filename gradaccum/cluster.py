@@ -33,6 +33,7 @@ import time
 
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum._wrapper import WrappingOptimizer
 
 TF_CONFIG_VAR = "TF_CONFIG"
 TASK_TYPES = ("chief", "worker", "ps")
@@ -512,7 +513,7 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0):
                     chief_seen = _watch_chief(config, chief_seen, deadline)
 
 
-class AllReduceOnApply(tf.compat.v1.train.Optimizer):
+class AllReduceOnApply(WrappingOptimizer):
     """Reduces gradients across processes when, and only when, they are applied.
 
     Put it INSIDE a ``GradientAccumulator``: the accumulator adds local
@@ -533,6 +534,7 @@ class AllReduceOnApply(tf.compat.v1.train.Optimizer):
     Raises:
       TypeError: when ``optimizer`` is not a v1 optimizer or ``all_reduce`` is
         not callable.
+      ValueError: when ``name`` is not a non-empty string.
 
     Example:
       >>> import horovod.tensorflow as hvd
@@ -549,24 +551,8 @@ class AllReduceOnApply(tf.compat.v1.train.Optimizer):
         if not callable(all_reduce):
             raise TypeError("`all_reduce` must be callable (gradient -> reduced gradient), got %s"
                             % _validate.describe(all_reduce))
-        super(AllReduceOnApply, self).__init__(use_locking=False, name=name)
-        self._optimizer = optimizer
+        super(AllReduceOnApply, self).__init__(optimizer, name)
         self._all_reduce = all_reduce
-
-    def compute_gradients(self, *args, **kwargs):
-        """Delegates to the wrapped optimizer; no communication here.
-
-        Args:
-          *args: as ``tf.compat.v1.train.Optimizer.compute_gradients``.
-          **kwargs: as ``tf.compat.v1.train.Optimizer.compute_gradients``.
-
-        Returns:
-          The local ``(gradient, variable)`` pairs.
-
-        Example:
-          >>> grads_and_vars = opt.compute_gradients(loss)
-        """
-        return self._optimizer.compute_gradients(*args, **kwargs)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """All-reduces each gradient, then applies through the wrapped optimizer.
@@ -586,40 +572,3 @@ class AllReduceOnApply(tf.compat.v1.train.Optimizer):
         with tf.compat.v1.name_scope(self._name):
             reduced = [(None if grad is None else self._all_reduce(grad), var) for grad, var in grads_and_vars]
         return self._optimizer.apply_gradients(reduced, global_step=global_step, name=name)
-
-    def get_slot(self, var, name):
-        """Returns the wrapped optimizer's slot ``name`` of ``var``.
-
-        Args:
-          var: a trained variable.
-          name: a slot name of the wrapped optimizer.
-
-        Returns:
-          The slot variable, or None.
-
-        Example:
-          >>> opt.get_slot(kernel, "m")
-        """
-        return self._optimizer.get_slot(var, name)
-
-    def get_slot_names(self):
-        """Returns the wrapped optimizer's slot names.
-
-        Returns:
-          A list of strings.
-
-        Example:
-          >>> opt.get_slot_names()
-        """
-        return self._optimizer.get_slot_names()
-
-    def variables(self):
-        """Returns the wrapped optimizer's variables.
-
-        Returns:
-          A list of variables.
-
-        Example:
-          >>> opt.variables()
-        """
-        return self._optimizer.variables()

@@ -264,6 +264,8 @@ def test_all_reduce_on_apply_delegates_slots_and_checks_arguments():
         cluster.AllReduceOnApply("sgd", tf.identity)
     with pytest.raises(TypeError, match=r"`all_reduce` must be callable .*, got None"):
         cluster.AllReduceOnApply(momentum, None)
+    with pytest.raises(ValueError, match=r"`name` must be a non-empty string, got ''"):
+        cluster.AllReduceOnApply(momentum, tf.identity, name="")
 
 
 @pytest.mark.parametrize("tf_config, match", [
