@@ -11,8 +11,9 @@ exits with the chief's exit status. When any task dies with a non-zero status
 it names that task and its status in one line and stops the others (SIGTERM,
 then SIGKILL after ``--grace`` seconds). Each task runs in its own process
 group, which is killed on every way out (normal exit, signal, exception, and
-via ``atexit``); on Linux a task also gets SIGKILL when the launcher itself is
-killed. Every wait is bounded.
+via ``atexit``), and the launcher returns only once every process of those
+groups has ended (a task's own children included); on Linux a task also gets
+SIGKILL when the launcher itself is killed. Every wait is bounded.
 
 This module does not use TensorFlow and creates no variables or collections.
 """
@@ -203,6 +204,41 @@ def _die_with_parent():
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _group_alive(pgid):
+    """True while a process of group ``pgid`` lives; zombies do not count.
+
+    A task's children outlive it for a moment after a group kill, and the
+    launcher must not return before they are gone. Orphaned zombies are left
+    for init to reap (in a container it may never), so ``killpg(pgid, 0)``
+    alone would wait for ever: on Linux /proc tells the states apart.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/stat" % entry) as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()  # The name may hold spaces.
+        except (OSError, IndexError):
+            continue  # Not a process, or gone meanwhile.
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait_until(done, seconds):
+    """Polls ``done()`` until it is true (returns True) or ``seconds`` pass (False)."""
+    deadline = time.time() + seconds
+    while not done():
+        if time.time() >= deadline:
+            return False
+        time.sleep(_POLL_SECONDS)
+    return True
+
+
 class _Task(object):
     """One started process, its name and its output pump."""
 
@@ -224,6 +260,14 @@ class _Task(object):
             os.killpg(self.process.pid, signum)  # The group outlives its leader's exit.
         except (ProcessLookupError, PermissionError):
             pass
+
+    def ended(self):
+        """True when the task's process has exited (it is reaped)."""
+        return self.process.poll() is not None
+
+    def gone(self):
+        """True when the task's process and every process of its group have ended."""
+        return self.ended() and not _group_alive(self.process.pid)
 
 
 class Launcher(object):
@@ -278,19 +322,11 @@ class Launcher(object):
         for signum, wait in ((signal.SIGTERM, self.grace_seconds), (signal.SIGKILL, 5.0)):
             for task in tasks:
                 task.signal_group(signum)
-            if self._wait(tasks, wait):
+            if _wait_until(lambda: all(task.gone() for task in tasks), wait):
                 break
         for task in self.tasks:
             if task.pump is not None:
                 task.pump.join(2.0)  # A grandchild may hold the pipe: bounded.
-
-    def _wait(self, tasks, seconds):
-        deadline = time.time() + seconds
-        while any(task.process.poll() is None for task in tasks):
-            if time.time() >= deadline:
-                return False
-            time.sleep(_POLL_SECONDS)
-        return True
 
     def _failed_task(self):
         for task in self.tasks[1:]:
@@ -313,7 +349,7 @@ class Launcher(object):
                          % (dead.name, dead.process.pid, describe_status(dead.process.returncode)))
                 self.stop()
                 return shell_status(chief_status) if chief_status else 1
-            if chief.process.poll() is not None:
+            if chief.ended():
                 return self._finish(chief)
             time.sleep(_POLL_SECONDS)
 
@@ -323,8 +359,8 @@ class Launcher(object):
         if status != 0:
             self.say("chief %s (pid %d) ended with %s; stopping the other tasks"
                      % (chief.name, chief.process.pid, describe_status(status)))
-        elif not self._wait(others, self.shutdown_seconds):
-            late = [t.name for t in others if t.process.poll() is None]
+        elif not _wait_until(lambda: all(task.ended() for task in others), self.shutdown_seconds):
+            late = [t.name for t in others if not t.ended()]
             self.say("%s still running %g s after the chief finished; stopping them"
                      % (", ".join(late), self.shutdown_seconds))
         self.stop()
@@ -343,11 +379,7 @@ class Launcher(object):
     def _kill_all(self):
         for task in self.tasks:
             task.signal_group(signal.SIGKILL)
-        for task in self.tasks:
-            try:
-                task.process.wait(5.0)
-            except subprocess.TimeoutExpired:
-                pass
+        _wait_until(lambda: all(task.gone() for task in self.tasks), 5.0)
 
 
 class _OneLineParser(argparse.ArgumentParser):
