@@ -233,6 +233,26 @@ def test_a_signal_to_the_launcher_kills_tasks_and_grandchildren(tmp_path):
     _assert_all_gone(_started_pids(err) + grandchildren)
 
 
+def test_a_group_is_alive_while_an_orphaned_member_runs_and_not_once_it_is_killed():
+    # The leader starts a sleeper and exits: the sleeper is an orphan in the
+    # leader's group. Killed, it may stay a zombie (a container's init may
+    # never reap it); the launcher must not wait for that.
+    code = ("import subprocess, sys; "
+            "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']).pid, flush=True)")
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True,
+                              universal_newlines=True)
+    orphan = int(leader.stdout.readline())
+    leader.wait(10)
+    leader.stdout.close()
+    try:
+        assert psutil.Process(orphan).status() != psutil.STATUS_ZOMBIE
+        assert launch._group_alive(leader.pid)
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+    assert launch._wait_until(lambda: not launch._group_alive(leader.pid), 5.0)
+    _assert_all_gone([orphan])
+
+
 def test_a_command_that_cannot_start_is_one_line(tmp_path):
     out, err = io.BytesIO(), io.StringIO()
     missing = str(tmp_path / "no_such_program")
