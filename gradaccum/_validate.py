@@ -51,6 +51,28 @@ def check_optimizer(optimizer, arg="optimizer"):
     return optimizer
 
 
+def check_name(name, arg="name"):
+    """Checks that ``name`` is a non-empty string (a name scope).
+
+    Args:
+      name: the value to check.
+      arg: the argument's name, for the message.
+
+    Returns:
+      ``name``.
+
+    Raises:
+      ValueError: for anything else.
+
+    Example:
+      >>> check_name("GradientAccumulator")
+      'GradientAccumulator'
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError("`%s` must be a non-empty string, got %s" % (arg, describe(name)))
+    return name
+
+
 def check_positive_int(value, arg):
     """Checks that ``value`` is a Python int >= 1 (a bool is not an int here).
 

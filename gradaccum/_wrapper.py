@@ -34,8 +34,7 @@ class WrappingOptimizer(tf.compat.v1.train.Optimizer):
 
     def __init__(self, optimizer, name):
         _validate.check_optimizer(optimizer)
-        if not isinstance(name, str) or not name:
-            raise ValueError("`name` must be a non-empty string, got %s" % _validate.describe(name))
+        _validate.check_name(name)
         super(WrappingOptimizer, self).__init__(use_locking=False, name=name)
         self._optimizer = optimizer
 

@@ -91,7 +91,7 @@ class GradientAccumulator(WrappingOptimizer):
 
     def __init__(self, optimizer, num_micro_batches, *, clip_norm=None, accumulation_dtype=None,
                  skip_nonfinite=False, name="GradientAccumulator"):
-        _validate.check_optimizer(optimizer)
+        super(GradientAccumulator, self).__init__(optimizer, name)  # Checks `optimizer` and `name` first.
         if isinstance(optimizer, GradientAccumulator):
             raise TypeError(
                 "`optimizer` is already a GradientAccumulator (num_micro_batches=%d); nest nothing, "
@@ -103,7 +103,6 @@ class GradientAccumulator(WrappingOptimizer):
         if not isinstance(skip_nonfinite, bool):
             raise TypeError("`skip_nonfinite` must be a bool, got %s" % _validate.describe(skip_nonfinite))
         self._skip_nonfinite = skip_nonfinite
-        super(GradientAccumulator, self).__init__(optimizer, name)
         self._window = None
 
     # ------------------------------------------------------------------ API
@@ -253,7 +252,8 @@ class GradientAccumulator(WrappingOptimizer):
 
     @property
     def skipped_windows(self):
-        """int64 variable: windows not applied because their total weight was zero."""
+        """int64 variable: windows not applied because their total weight was zero
+        or, with ``skip_nonfinite``, their sum was not finite."""
         return self._built().skipped
 
     @property

@@ -547,11 +547,10 @@ class AllReduceOnApply(WrappingOptimizer):
     """
 
     def __init__(self, optimizer, all_reduce, name="AllReduceOnApply"):
-        _validate.check_optimizer(optimizer)
+        super(AllReduceOnApply, self).__init__(optimizer, name)  # Checks `optimizer` and `name`.
         if not callable(all_reduce):
             raise TypeError("`all_reduce` must be callable (gradient -> reduced gradient), got %s"
                             % _validate.describe(all_reduce))
-        super(AllReduceOnApply, self).__init__(optimizer, name)
         self._all_reduce = all_reduce
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):

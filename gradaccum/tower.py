@@ -122,8 +122,7 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     if not (update_ops is None or (isinstance(update_ops, str) and update_ops in UPDATE_OPS_CHOICES)):
         raise ValueError("`update_ops` must be one of %r, got %s"
                          % (UPDATE_OPS_CHOICES, _validate.describe(update_ops)))
-    if not isinstance(name, str) or not name:
-        raise ValueError("`name` must be a non-empty string, got %s" % _validate.describe(name))
+    _validate.check_name(name)
     with tf.compat.v1.name_scope(name) as scope:
         min_batch = len(devices) if update_ops == "all" else 1
         batch_size, sizes, shards = _split(_check_inputs(inputs), len(devices), min_batch)

@@ -446,7 +446,7 @@ def test_subdivided_training_equals_full_batch_with_inference_batch_norm(optimiz
         before = plain.values()
         # The plain graph's variables (Adam's slots and powers, global_step) keep their
         # names; the accumulator adds its own, which carry over from update to update.
-        assert set(before) < set(accumulated.values()) and "model/conv5/kernel" in before
+        assert set(before) < set(accumulated.variables) and "model/conv5/kernel" in before
         for images, labels in _batches():
             # Each update starts from the plain run's state: float32 sums in another
             # order differ in the last bits, and over several updates a leaky ReLU
