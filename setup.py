@@ -35,8 +35,10 @@ setup(
     install_requires=["numpy"],
     extras_require={
         "tf": ["tensorflow>=2.15", "tf-keras>=2.15"],
-        "test": ["pytest>=6", "pytest-timeout>=1.4"] + _EXAMPLES,
+        # tf-slim: tests/test_integrations.py (TF 2.x; TF 1.15 has tf.contrib.slim, and it installs there too).
+        "test": ["pytest>=6", "pytest-timeout>=1.4", "tf-slim>=1.1"] + _EXAMPLES,
         "examples": _EXAMPLES,
+        "bench": ["tensorpack>=0.11", "psutil>=5.6"],
     },
     classifiers=[
         "License :: OSI Approved :: Apache Software License",

@@ -8,7 +8,8 @@ case "${1:-}" in
   test) marker="<!-- command:test -->" ;;
   *) echo "usage: $0 example|test" >&2; exit 2 ;;
 esac
-command=$(awk -v m="$marker" 'found && /^```/ {n++; next} found && n==1 {print; exit} $0 == m {found=1}' README.md)
+# The whole block after the marker (it may span several lines).
+command=$(awk -v m="$marker" 'found && /^```/ {n++; if (n == 2) exit; next} found && n==1 {print} $0 == m {found=1}' README.md)
 if [ -z "$command" ]; then
   echo "README.md has no command after $marker" >&2
   exit 1

@@ -1,43 +1,26 @@
-"""Benchmarks of gradaccum: memory and time of accumulation, towers, wide accumulators.
+"""Runs the benchmark families and writes results.md (and JSON): ratios side by side, never timed tests.
 
 Usage::
 
-    python benchmarks/run.py            # full run, ~10 min on 2 quiet cores
-    python benchmarks/run.py --quick    # < 60 s: for the trend, not for quoting
-    python benchmarks/run.py --json results.json
+    python benchmarks/run.py                      # full run, <= 10 min on 2 quiet cores
+    python benchmarks/run.py --quick              # a few minutes: the trend, not for quoting
+    python benchmarks/run.py --json benchmarks/results.json
+    python benchmarks/run.py --family peers --python /path/to/tf115/bin/python   # TF 1.15
 
-Prints a markdown report and writes ``results.md`` and ``results.png`` (with
-``--quick``: ``results_quick.md`` and ``results_quick.png``) into
-``--output-dir`` (default: this directory).
-
-What it measures, each configuration in a fresh process started with
-``sys.executable`` (``bench_child.py``), so that every peak is clean:
-
-1. Memory of one effective update of a batch B of the example's CNN: B
-   directly, B as k micro-batches through ``GradientAccumulator``, and plain
-   training (no accumulator) on the same k micro-batches of B/k, for each k.
-   Peak RSS (``getrusage`` and psutil sampling), median of ``--repeats``
-   processes run interleaved; and TensorFlow's peak allocator bytes, in one
-   more process per configuration with ``TF_CPU_ALLOCATOR_USE_BFC=true`` (the
-   default CPU allocator keeps no statistics).
-2. Time per example of the fused train op, plain training at the same
-   micro-batch, the manual zero/accumulate/apply pattern, float64
-   accumulators, and tensorpack / Horovod when installed: the example's CNN
-   and a small MLP. All variants of a model are built in one process and
-   timed in interleaved rounds; a ratio is the median of per-round ratios,
-   with a distribution-free 95% confidence interval.
-3. Towers: 1, 2 and 4 towers on virtual CPU devices against one device.
-
-The parent process never imports TensorFlow. Bad flags print one line and
-exit with status 2; a failed or timed-out child prints one line and exits 1.
+Each family (``peers.py``, ``features.py``, ``memory.py``, then any other module here
+with ``plan``/``measure``/``summarize``: see ``harness.py`` for that API) plans its
+children; every child is a fresh interpreter, so each memory peak is clean and
+``TF_ENABLE_ONEDNN_OPTS`` can differ per child. This
+parent never imports TensorFlow. Writes ``results.md`` (``results_quick.md`` with
+``--quick``) into ``--output-dir``. A failed child is reported and the run goes on;
+the exit status is then 1. Bad flags print one line and exit with status 2.
 """
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import time
 
@@ -45,311 +28,210 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import bench_report  # noqa: E402
+import harness  # noqa: E402
 
-CHILD = os.path.join(HERE, "bench_child.py")
-RESULT_PREFIX = "BENCH_RESULT "  # bench_child.RESULT_PREFIX, without importing TensorFlow here.
-CNN_VARIANTS = ["plain", "fused", "manual", "fused_float64", "tensorpack", "horovod"]
-MLP_VARIANTS = ["plain", "fused", "manual", "fused_float64"]
-TOWER_VARIANTS = ["one_device", "towers1", "towers2", "towers4"]
+CORE_FAMILIES = ("peers", "features", "memory")
 
-# Sized so that the full run takes ~10 minutes on 2 quiet cores while the full
-# batch still costs clearly more memory than a micro-batch; --quick keeps every
-# ratio. A block of this VM's CNN steps varies by ~10% from run to run, so the
-# CNN needs ~120 paired rounds for a 95% interval of about +-2% on its ratios.
-# The MLP is tiny (784-16-10, micro-batches of 8) so that the per-step
-# overhead, not arithmetic, dominates: the worst case for accumulation.
-PLANS = {
-    "full": {
-        "batch": 1000, "ks": [1, 2, 5, 10, 25, 50], "repeats": 3, "allocator": True,
-        "memory_timeout": 900, "time_timeout": 3600,
-        "groups": [
-            {"name": "cnn", "model": "cnn", "variants": CNN_VARIANTS, "micro": 100, "k": 5, "rounds": 121,
-             "windows": 1},
-            {"name": "mlp", "model": "mlp", "variants": MLP_VARIANTS, "width": 16, "micro": 8, "k": 10,
-             "rounds": 61, "windows": 20},
-            {"name": "towers", "model": "cnn", "variants": TOWER_VARIANTS, "micro": 200, "k": 1, "cpus": 4,
-             "rounds": 41, "windows": 1},
-        ],
-    },
-    "quick": {
-        "batch": 400, "ks": [10], "repeats": 1, "allocator": False,
-        "memory_timeout": 240, "time_timeout": 600,
-        "groups": [
-            {"name": "cnn", "model": "cnn", "variants": CNN_VARIANTS, "micro": 50, "k": 2, "rounds": 5,
-             "windows": 1},
-            {"name": "mlp", "model": "mlp", "variants": MLP_VARIANTS, "width": 16, "micro": 8, "k": 10,
-             "rounds": 5, "windows": 5},
-            {"name": "towers", "model": "cnn", "variants": TOWER_VARIANTS, "micro": 50, "k": 1, "cpus": 4,
-             "rounds": 3, "windows": 1},
-        ],
-    },
+
+def families():
+    """The family modules here: the core ones, then any other ``*.py`` with ``plan``, ``measure``, ``summarize``."""
+    names = [name[:-3] for name in sorted(os.listdir(HERE)) if name.endswith(".py")
+             and name[:-3] not in CORE_FAMILIES + ("harness", "run", "soak")]
+    extra = [name for name in names
+             if all(hasattr(importlib.import_module(name), f) for f in ("plan", "measure", "summarize"))]
+    return list(CORE_FAMILIES) + extra
+
+
+# key -> (target, what); the issue's contract. A missing or None value is "not measured".
+TARGETS = {
+    "mlp10m_weighted_over_unweighted_time": (1.01, "10M MLP, weight given / weight=None, time per micro-step"),
+    "mlp10m_overhead_over_floor": (1.10, "10M MLP, (ours - fwd+bwd) / floor, per micro-step"),
+    "fused_over_plain_time": (1.02, "the example's CNN, ours / plain training, time per micro-step"),
+    "accumulated_peak_over_micro_peak_plus_params": (1.05, "CNN, peak RSS: k micro-batches / (plain micro + params)"),
 }
-
-
-class ChildError(RuntimeError):
-    """A measurement child failed, timed out, or printed no result."""
 
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        fail(message)
-
-
-def fail(message, status=2):
-    """Prints ``message`` as one line on stderr and exits with ``status``.
-
-    Args:
-      message: the error.
-      status: the exit status (2: bad input, 1: a failed measurement).
-
-    Example:
-      >>> fail("`--batch` must be divisible by 50, got 1001")
-    """
-    sys.stderr.write("run.py: error: %s\n" % " ".join(str(message).split()))
-    sys.exit(status)
+        sys.stderr.write("run.py: error: %s\n" % " ".join(str(message).split()))
+        sys.exit(2)
 
 
 def parse_args(argv=None):
-    """Parses and checks the flags; bad input exits with one line.
-
-    Args:
-      argv: the arguments, without the program name.
-
-    Returns:
-      An ``argparse.Namespace`` whose ``plan`` is the chosen ``PLANS`` entry,
-      with ``--batch`` and ``--repeats`` applied.
+    """Parses the flags; bad input exits with one line and status 2.
 
     Example:
-      >>> parse_args(["--quick"]).plan["batch"]
-      400
+      >>> parse_args(["--quick"]).quick
+      True
     """
     parser = _OneLineParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small and fast (< 60 s): the trend only")
-    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    parser.add_argument("--quick", action="store_true", help="few rounds, fewer children: the trend only")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--tf-mode", choices=("tf1", "tf2"), default="tf1",
                         help="tf1: disable_v2_behavior() (default); tf2: disable_eager_execution() only")
-    parser.add_argument("--batch", type=int, help="the memory benchmark's batch B (default: 1000, quick 400)")
-    parser.add_argument("--repeats", type=int, help="processes per memory configuration (default: 3, quick 1)")
-    parser.add_argument("--output-dir", default=HERE, help="where results*.md and results*.png go")
+    parser.add_argument("--family", action="append", choices=families(), help="run only these (repeatable)")
+    parser.add_argument("--python", default=sys.executable, help="the children's interpreter (another TF)")
+    parser.add_argument("--output-dir", default=HERE, help="where results.md goes")
+    parser.add_argument("--update-readme", metavar="README",
+                        help="replace the tables between the README's benchmark markers with this run's")
     args = parser.parse_args(argv)
-    plan = json.loads(json.dumps(PLANS["quick" if args.quick else "full"]))  # A deep copy.
-    for flag in ("batch", "repeats"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            fail("`--%s` must be an int >= 1, got %d" % (flag, value))
-        plan[flag] = plan[flag] if value is None else value
-    bad = [k for k in plan["ks"] if plan["batch"] % k]
-    if bad:
-        fail("`--batch` %d must be divisible by every k in %s, not by %s"
-             % (plan["batch"], plan["ks"], bad))
     if not os.path.isdir(args.output_dir):
-        fail("`--output-dir` %r is not a directory" % args.output_dir)
-    args.plan = plan
+        parser.error("`--output-dir` %r is not a directory" % args.output_dir)
+    if args.update_readme:
+        try:
+            with open(args.update_readme) as stream:
+                text = stream.read()
+        except OSError as exc:
+            parser.error("`--update-readme` %r cannot be read: %s" % (args.update_readme, exc.strerror))
+        if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
+            parser.error("`--update-readme` %r must hold the benchmark markers once each" % args.update_readme)
+    args.family = args.family or families()
     return args
 
 
-def run_child(kind, spec, timeout, allocator=False):
-    """Runs ``bench_child.py kind spec`` in a fresh ``sys.executable`` and returns its result.
+def run_family(name, args, log):
+    """Runs every child ``name.plan`` asks for; returns ``(results, failures)``.
 
-    Args:
-      kind: ``"memory"`` or ``"time"``.
-      spec: the JSON-serialisable spec (holds ``mode``).
-      timeout: seconds before the child is killed.
-      allocator: run with TensorFlow's BFC CPU allocator, which keeps statistics.
+    Each result carries its ``spec``; a failed child is a one-line entry of ``failures``.
+    """
+    results, failures = [], []
+    for spec in importlib.import_module(name).plan(args.quick):
+        spec = dict(spec, mode=args.tf_mode)
+        start = time.time()
+        try:
+            result = harness.run_child(name, spec, 300 if args.quick else 900, spec.get("env"), args.python)
+        except harness.ChildError as exc:
+            failures.append("%s: %s" % (name, exc))
+            log("FAILED " + failures[-1])
+            continue
+        results.append(dict(result, spec=spec))
+        what = " ".join(str(spec[key]) for key in ("kind", "setup", "tag", "group", "row", "config") if spec.get(key))
+        log("%s %s: %.0f s" % (name, what, time.time() - start))
+    return results, failures
 
-    Returns:
-      The child's result dict.
+
+def headline(summary):
+    """Markdown lines: each target key with its value and verdict."""
+    lines = ["### Headline", ""]
+    for key, (target, what) in TARGETS.items():
+        value = summary.get(key)
+        verdict = "not measured" if value is None else "met" if value <= target else "NOT met"
+        lines.append("- %s (`%s`): **%s**, target <= %.2f: %s." % (what, key, harness.fmt(value), target, verdict))
+    if summary.get("floor_ms") is not None:
+        lines.append("- Floor: %.2f ms per micro-step = %.0f MB (one accumulate pass, plus one scaling pass / k) at "
+                     "%.1f GB/s (`a += b`, best of TF and numpy each round; TF %.1f, numpy %.1f GB/s); forward + "
+                     "backward alone %.2f ms, ours %.2f ms above it." % (
+                         summary["floor_ms"], summary["floor_bytes_per_micro_step"] / 1e6,
+                         summary["stream_bandwidth_gbs"], summary["stream_tf_gbs"], summary["stream_numpy_gbs"],
+                         summary["mlp10m_fwd_bwd_ms"], summary["mlp10m_overhead_ms"]))
+    if summary.get("fused_over_plain_time_onednn_off") is not None:
+        lines.append("- CNN, ours / plain with `TF_ENABLE_ONEDNN_OPTS=0` (another process): %s (default: %s)."
+                     % (harness.fmt(summary["fused_over_plain_time_onednn_off"]),
+                        harness.fmt(summary.get("fused_over_plain_time"))))
+    return lines
+
+
+def _ci(summary, key):
+    ci = summary.get(key + "_ci95")
+    return "" if not ci or None in ci else " (95%% CI %s-%s)" % (harness.fmt(ci[0]), harness.fmt(ci[1]))
+
+
+def readme_table(summary):
+    """Markdown lines: the README's performance table, filled from ``summary``."""
+    def row(what, key, target="-", digits=3):
+        return [what, "**%s**%s" % (harness.fmt(summary.get(key), digits), _ci(summary, key)), target]
+
+    rows = [row("the example's CNN: ours / plain training, time per micro-step", "fused_over_plain_time", "<= 1.02"),
+            row("the same with `TF_ENABLE_ONEDNN_OPTS=0`", "fused_over_plain_time_onednn_off"),
+            row("10M MLP: `weight` given / `weight=None`", "mlp10m_weighted_over_unweighted_time", "<= 1.01"),
+            row("10M MLP: (ours - forward+backward) / floor", "mlp10m_overhead_over_floor", "<= 1.10"),
+            row("floor per micro-step, ms", "floor_ms", "-", 2),
+            row("stream bandwidth (`a += b`), GB/s", "stream_bandwidth_gbs", "-", 1),
+            row("CNN, peak RSS: ours on k micro-batches / (plain micro-batch + params)",
+                "accumulated_peak_over_micro_peak_plus_params", "<= 1.05"),
+            row("statistics on / off, CNN", "statistics_on_over_off_time_cnn"),
+            row("statistics on / off, 10M MLP", "statistics_on_over_off_time_mlp10m"),
+            row("window-statistics BN / TF BN under the accumulator, CNN", "window_bn_over_tf_bn_time"),
+            row("2 towers: synchronized BN / per-tower BN, time per example", "towers2_sync_bn_over_per_tower_bn_time"),
+            row("4 towers / one device (virtual CPUs), time per example", "towers4_over_one_device_time")]
+    lines = harness.markdown_table(["what", "measured", "target"], rows) + [""]
+    peers = [p for p in summary.get("peers", []) if p["name"] not in ("fwd_bwd",)]
+    cells = [[p["model"], p["label"], "skipped: %s" % p["skipped"] if p.get("skipped") and p["time_ratio"] is None
+              else "%s%s" % (harness.fmt(p["time_ratio"]), "" if not p.get("time_ratio_ci95") else " (%s-%s)" % (
+                  harness.fmt(p["time_ratio_ci95"][0]), harness.fmt(p["time_ratio_ci95"][1]))),
+              "-" if p.get("max_rel_error_vs_full_batch") is None else "%.2g" % p["max_rel_error_vs_full_batch"],
+              "n/a" if p.get("tf_peak_bytes") is None else "%.0f MB" % (p["tf_peak_bytes"] / harness.MB)]
+             for p in peers]
+    return lines + harness.markdown_table(
+        ["model", "training", "time / ours (95% CI)", "max rel. error vs full batch", "TF peak (BFC)"], cells)
+
+
+README_BEGIN = "<!-- benchmarks: begin (python benchmarks/run.py --update-readme README.md) -->"
+README_END = "<!-- benchmarks: end -->"
+
+
+def update_readme(path, summary):
+    """Replaces the text between ``README_BEGIN`` and ``README_END`` in ``path`` with this run's tables.
 
     Raises:
-      ChildError: on a timeout, a non-zero exit or no result line; the
-        message holds the child's last stderr line.
-
-    Example:
-      >>> run_child("memory", {"mode": "tf1", "model": "cnn", "variant": "fused", "micro": 10, "k": 2}, 300)
+      ValueError: when the markers are missing.
     """
-    # The child sets TF_USE_LEGACY_KERAS itself, only where tf_keras is installed.
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    env.pop("TF_CPU_ALLOCATOR_USE_BFC", None)
-    if allocator:
-        env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-    command = [sys.executable, CHILD, kind, json.dumps(spec)]
-    try:
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              universal_newlines=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise ChildError("%s child timed out after %d s: %s" % (kind, timeout, json.dumps(spec))) from None
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if done.returncode != 0 or not lines:
-        raise ChildError("%s child exited with status %d (%s): %s"
-                         % (kind, done.returncode, last_error_line(done.stderr), json.dumps(spec)))
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
-
-
-def last_error_line(stderr):
-    """Returns the last exception line of a traceback in ``stderr``, else its last line.
-
-    Args:
-      stderr: a child's standard error.
-
-    Returns:
-      One line (``"no output"`` when empty).
-
-    Example:
-      >>> last_error_line("Traceback ...\n  File x\nValueError: bad\n")
-      'ValueError: bad'
-    """
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b", line)]
-    return (errors or lines or ["no output"])[-1]
-
-
-def memory_configs(plan):
-    """Lists the memory configurations: the full batch, then plain and accumulated per k.
-
-    Args:
-      plan: a ``PLANS`` entry (``batch``, ``ks``).
-
-    Returns:
-      A list of dicts with ``config``, ``variant``, ``micro`` and ``k``.
-
-    Example:
-      >>> [c["config"] for c in memory_configs({"batch": 10, "ks": [1, 5]})]
-      ['full', 'plain', 'fused', 'fused']
-    """
-    batch = plan["batch"]
-    configs = [{"config": "full", "variant": "plain", "micro": batch, "k": 1}]
-    # Plain training on B/1 is the full batch itself: measured once.
-    configs += [{"config": "plain", "variant": "plain", "micro": batch // k, "k": k} for k in plan["ks"] if k > 1]
-    configs += [{"config": "fused", "variant": "fused", "micro": batch // k, "k": k} for k in plan["ks"]]
-    return configs
-
-
-def _log(message):
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-
-
-def measure_memory(plan, mode, log=_log):
-    """Runs every memory configuration ``repeats`` times, interleaved, plus the allocator pass.
-
-    Args:
-      plan: a ``PLANS`` entry.
-      mode: ``"tf1"`` or ``"tf2"``.
-      log: called with one progress line per child.
-
-    Returns:
-      The children's results, each tagged with ``allocator`` (bool).
-
-    Raises:
-      ChildError: when a child fails.
-
-    Example:
-      >>> records = measure_memory(PLANS["quick"], "tf1")
-    """
-    configs = memory_configs(plan)
-    passes = [False] * plan["repeats"] + ([True] if plan["allocator"] else [])
-    records = []
-    for allocator in passes:
-        for config in configs:
-            record = run_child("memory", dict(config, model="cnn", mode=mode), plan["memory_timeout"], allocator)
-            record["allocator"] = allocator
-            records.append(record)
-            log("memory %d/%d: %-5s k=%-2d micro-batch %-4d %s peak RSS %4.0f MB, TF peak %s, %.1f s" % (
-                len(records), len(passes) * len(configs), config["config"], config["k"], config["micro"],
-                "BFC allocator:" if allocator else "default:     ", record["peak_rss_bytes"] / bench_report.MB,
-                "n/a" if record["tf_peak_bytes"] is None else "%.0f MB" % (record["tf_peak_bytes"] / bench_report.MB),
-                record["seconds"]))
-    return records
-
-
-def machine_description(gpus):
-    """Describes this machine in one phrase: system, cores, memory, GPUs.
-
-    Args:
-      gpus: the number of GPUs TensorFlow saw.
-
-    Returns:
-      A string such as ``"Linux x86_64, 2 CPU cores, 24 GB RAM, CPU only"``.
-
-    Example:
-      >>> machine_description(0)
-    """
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024.0 ** 3
-    return "%s %s, %d CPU cores, %.0f GB RAM, %s" % (
-        platform.system(), platform.machine(), os.cpu_count(), memory,
-        "CPU only" if not gpus else "%d GPU(s)" % gpus)
-
-
-def _notes(plan, time_result, seconds, loads):
-    notes = ["Memory: B = %d, k in %s, %d process(es) per configuration%s." % (
-        plan["batch"], plan["ks"], plan["repeats"],
-        "" if plan["allocator"] else "; TF allocator peaks not measured (--quick)")]
-    for group in time_result["groups"]:
-        for variant, reason in sorted(group["skipped"].items()):
-            notes.append("%s: %s skipped (%s)." % (group["name"], variant, reason))
-    notes.append("Took %.0f s; load average %.1f at the start, %.1f at the end (2 cores; other processes "
-                 "may have been running: the interleaving makes them hit every variant alike)."
-                 % (seconds, loads[0], loads[1]))
-    return notes
-
-
-def write_outputs(summary, args):
-    """Writes the plot, the markdown report and (with ``--json``) the JSON.
-
-    Args:
-      summary: a ``bench_report.summarize`` result (``plot`` is set here).
-      args: the parsed flags.
-
-    Returns:
-      The markdown text.
-
-    Example:
-      >>> text = write_outputs(summary, args)
-    """
-    suffix = "_quick" if args.quick else ""
-    png = os.path.join(args.output_dir, "results%s.png" % suffix)
-    summary["plot"] = os.path.basename(png) if bench_report.plot(summary, png) else None
-    if summary["plot"] is None:
-        summary["notes"].append("matplotlib is not installed: no plot.")
-    text = bench_report.render_markdown(summary)
-    with open(os.path.join(args.output_dir, "results%s.md" % suffix), "w") as stream:
-        stream.write(text)
-    if args.json:
-        bench_report.write_json(summary, args.json)
-    return text
+    with open(path) as stream:
+        text = stream.read()
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
+        raise ValueError("`--update-readme` %r must hold the markers %r and %r once each"
+                         % (path, README_BEGIN, README_END))
+    head, rest = text.split(README_BEGIN)
+    tail = rest.split(README_END)[1]
+    lines = ["Measured %s on %s, TensorFlow %s, `%s` (%.0f s, load average %.1f then %.1f)%s:" % (
+        summary["date"], summary["machine"], ", ".join(summary["tensorflow"]), summary["command"].strip(),
+        summary["seconds"], summary["load_average"][0], summary["load_average"][1],
+        " (--quick: the trend only)" if summary["quick"] else ""), ""] + readme_table(summary)
+    with open(path, "w") as stream:
+        stream.write(head + README_BEGIN + "\n" + "\n".join(lines) + "\n" + README_END + tail)
 
 
 def main(argv=None):
-    """Runs the benchmarks the flags ask for and prints the markdown report.
-
-    Args:
-      argv: the arguments, without the program name.
-
-    Returns:
-      0 (failures exit through ``fail``).
-
-    Example:
-      >>> main(["--quick", "--json", "/tmp/bench.json"])
-    """
+    """Runs the chosen families, prints and writes the markdown, writes the JSON; returns the exit status."""
     args = parse_args(argv)
-    plan, start, load_start = args.plan, time.time(), os.getloadavg()[0]
-    try:
-        records = measure_memory(plan, args.tf_mode)
-        _log("timing %s in one process, interleaved..." % ", ".join(g["name"] for g in plan["groups"]))
-        time_result = run_child("time", {"mode": args.tf_mode, "groups": plan["groups"]}, plan["time_timeout"])
-    except ChildError as exc:
-        fail(exc, status=1)
-    seconds = time.time() - start
-    context = {
-        "date": datetime.date.today().isoformat(), "machine": machine_description(time_result.get("gpus", 0)),
-        "command": " ".join(["python", "benchmarks/run.py"] + list(sys.argv[1:] if argv is None else argv)),
-        "quick": args.quick, "mode": args.tf_mode, "seconds": seconds, "plan": plan,
-        "notes": _notes(plan, time_result, seconds, (load_start, os.getloadavg()[0])),
-    }
-    summary = bench_report.summarize(context, records, time_result)
-    sys.stdout.write(write_outputs(summary, args))
-    return 0
+    start, load = time.time(), os.getloadavg()[0]
+
+    def log(message):
+        sys.stderr.write("[%4.0f s] %s\n" % (time.time() - start, message))
+        sys.stderr.flush()
+
+    summary, lines, failures, raw = {}, [], [], {}
+    for name in args.family:
+        results, failed = run_family(name, args, log)
+        failures += failed
+        raw[name] = results
+        keys, family_lines = importlib.import_module(name).summarize(results)
+        summary.update(keys)
+        lines += family_lines + [""]
+    versions = sorted(set("%s (%s)" % (r.get("tensorflow"), r.get("mode")) for rs in raw.values() for r in rs))
+    summary.update(
+        date=datetime.datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"), quick=args.quick, mode=args.tf_mode,
+        machine="%s %s, %d CPU cores" % (platform.system(), platform.machine(), os.cpu_count()),
+        tensorflow=versions, seconds=time.time() - start, load_average=[load, os.getloadavg()[0]],
+        command="python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        failures=failures, raw=raw)
+    text = "\n".join(["# gradaccum benchmarks", "",
+                      "%s, %s, TensorFlow %s. `%s`, %.0f s, load average %.1f then %.1f%s." % (
+                          summary["date"], summary["machine"], ", ".join(versions), summary["command"].strip(),
+                          summary["seconds"], load, summary["load_average"][1],
+                          " (--quick: the trend, not for quoting)" if args.quick else ""), ""]
+                     + ["- FAILED: %s" % failure for failure in failures] + headline(summary) + [""]
+                     + ["### The README's tables", ""] + readme_table(summary) + [""] + lines) + "\n"
+    with open(os.path.join(args.output_dir, "results_quick.md" if args.quick else "results.md"), "w") as stream:
+        stream.write(text)
+    if args.json:
+        with open(args.json, "w") as stream:
+            json.dump(summary, stream, indent=1, sort_keys=True)
+            stream.write("\n")
+    sys.stdout.write(text)
+    if args.update_readme:
+        update_readme(args.update_readme, summary)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

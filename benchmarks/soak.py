@@ -132,22 +132,15 @@ def build(args):
     Example:
       >>> session, train_op, global_step, feeds = build(parse_args([]))
     """
-    import tensorflow as tf
+    import tensorflow as tf  # Already in the wanted behaviour.
 
-    import bench_models
+    import harness
 
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.set_random_seed(0)
-        images, labels, window = bench_models.build_window("mlp", "fused", args.width, args.k)
-        global_step = tf.compat.v1.train.get_global_step()
-        init = tf.compat.v1.global_variables_initializer()
-    session = tf.compat.v1.Session(graph=graph)
-    session.run(init)
-    graph.finalize()  # Any op added from here on raises: training must not grow the graph.
-    feeds = [dict(zip((images, labels), bench_models.random_batch(size, seed)))
-             for seed, size in enumerate(MICRO_BATCH_SIZES)]
-    return session, window.each, global_step, feeds
+    bench = harness.build_bench("ours", "mlp", harness.ours, MICRO_BATCH_SIZES[0], args.k, {"widths": [args.width]})
+    images, labels = list(bench.feeds[0])
+    feeds = [harness.random_feeds(images, labels, size, 1, seed)[0] for seed, size in enumerate(MICRO_BATCH_SIZES)]
+    global_step = tf.compat.v1.train.get_global_step(bench.session.graph)
+    return bench.session, bench.window.each, global_step, feeds
 
 
 def soak(session, train_op, feeds, steps, sample_every):
@@ -191,7 +184,7 @@ def report(samples, figures, args, facts):
     """
     print("soak: %d micro-steps of fused accumulation (MLP 784-%d-10, k=%d, micro-batches %s), finalized "
           "graph, %s behaviour, %.0f s" % (args.steps, args.width, args.k, list(MICRO_BATCH_SIZES),
-                                          args.tf_mode, facts["seconds"]))
+                                           args.tf_mode, facts["seconds"]))
     print("RSS (MB) every %d micro-steps:" % args.sample_every)
     values = ["%.1f" % (rss / 2.0 ** 20) for _, rss in samples]
     for start in range(0, len(values), 10):
@@ -220,9 +213,9 @@ def main(argv=None):
       >>> main(["--steps", "2000"])
     """
     args = parse_args(argv)
-    import bench_child
+    import harness
 
-    bench_child.setup_tensorflow(args.tf_mode)
+    harness.setup_tensorflow(args.tf_mode)
     session, train_op, global_step, feeds = build(args)
     start = time.time()
     samples = soak(session, train_op, feeds, args.steps, args.sample_every)

@@ -12,10 +12,18 @@ in this order:
 1. ``data_dir``, when given (its files missing or corrupt is an error);
 2. Keras's cache, ``$KERAS_HOME/datasets/fashion-mnist`` or
    ``~/.keras/datasets/fashion-mnist``;
-3. a download through ``tf.keras.datasets.fashion_mnist.load_data()``,
+3. ``/usr/share/datasets/fashion-mnist``, where Debian's and Ubuntu's package
+   ``dataset-fashion-mnist`` puts them (``apt-get install dataset-fashion-mnist``;
+   the environment variable ``GRADACCUM_SYSTEM_DATASETS`` replaces
+   ``/usr/share/datasets``);
+4. a download through ``tf.keras.datasets.fashion_mnist.load_data()``,
    bounded by a socket timeout;
-4. otherwise it says so in one line and falls back to scikit-learn's 8x8
-   handwritten digits (they ship inside the package), upscaled to 28x28.
+5. otherwise it falls back to scikit-learn's 8x8 handwritten digits (they
+   ship inside the package), upscaled to 28x28, and says how to get the data.
+
+Either way it logs one line: what it loaded, how many examples, from where.
+A directory in steps 2 and 3 counts only when it holds all four files; a
+corrupt file there is an error, not a reason to fall back.
 
 Images come back as float32 ``[N, 28, 28, 1]`` in ``[0, 1]``, labels as int32.
 This module imports TensorFlow only to download; it creates no graph state.
@@ -52,10 +60,26 @@ FASHION_FILES = collections.OrderedDict([
 # Test examples held out from the 1,797 digits (a fixed split: 1,500 train).
 DIGITS_TEST_SIZE = 297
 DOWNLOAD_TIMEOUT_SECONDS = 10.0
+# Where Debian's and Ubuntu's package dataset-fashion-mnist installs the four files (gzipped);
+# GRADACCUM_SYSTEM_DATASETS moves the root (the tests point it at an empty directory).
+SYSTEM_DATASETS = "/usr/share/datasets"
+DEBIAN_PACKAGE = "dataset-fashion-mnist"
+# Where tf.keras.datasets.fashion_mnist downloads from.
+DOWNLOAD_URL = "https://storage.googleapis.com/tensorflow/tf-keras-datasets/"
+DIGITS_LOCATION = "sklearn.datasets.load_digits"
+HOW_TO_GET = ("to train on Fashion-MNIST: `apt-get install %s` (Debian/Ubuntu), or put the four IDX files "
+              "in a directory and pass `--data-dir`" % DEBIAN_PACKAGE)
 
 Dataset = collections.namedtuple(
-    "Dataset", ["train_images", "train_labels", "test_images", "test_labels", "source"])
-Dataset.__doc__ = """Images float32 [N, 28, 28, 1] in [0, 1], labels int32, and a one-line source."""
+    "Dataset", ["train_images", "train_labels", "test_images", "test_labels", "source", "name", "location"])
+Dataset.__doc__ = """Images float32 [N, 28, 28, 1] in [0, 1] and labels int32, with where they came from.
+
+Attributes:
+  train_images, train_labels, test_images, test_labels: the arrays.
+  source: a one-line description, e.g. ``"Fashion-MNIST from /data"``.
+  name: ``"fashion-mnist"`` or ``"digits"``.
+  location: the directory or URL the files came from (``DIGITS_LOCATION`` for the digits).
+"""
 
 
 def _open_bytes(path):
@@ -202,10 +226,10 @@ def _normalised(images, labels, scale):
     return images, np.asarray(labels, np.int32)
 
 
-def _fashion_dataset(train, test, source):
+def _fashion_dataset(train, test, source, location):
     train_images, train_labels = _normalised(train[0], train[1], 255.0)
     test_images, test_labels = _normalised(test[0], test[1], 255.0)
-    return Dataset(train_images, train_labels, test_images, test_labels, source)
+    return Dataset(train_images, train_labels, test_images, test_labels, source, "fashion-mnist", location)
 
 
 def load_fashion_dir(directory):
@@ -233,7 +257,7 @@ def load_fashion_dir(directory):
                     paths[split + "_images"], paths[split + "_labels"])
     return _fashion_dataset((arrays["train_images"], arrays["train_labels"]),
                             (arrays["test_images"], arrays["test_labels"]),
-                            "Fashion-MNIST from %s" % directory)
+                            "Fashion-MNIST from %s" % directory, directory)
 
 
 def keras_cache_dir():
@@ -282,7 +306,8 @@ def download_fashion(timeout=DOWNLOAD_TIMEOUT_SECONDS):
     finally:
         socket.setdefaulttimeout(previous)
     return _fashion_dataset((train_images, train_labels), (test_images, test_labels),
-                            "Fashion-MNIST downloaded by tf.keras into %s" % keras_cache_dir())
+                            "Fashion-MNIST downloaded from %s into %s" % (DOWNLOAD_URL, keras_cache_dir()),
+                            DOWNLOAD_URL)
 
 
 def load_digits_28x28(test_size=DIGITS_TEST_SIZE):
@@ -310,7 +335,7 @@ def load_digits_28x28(test_size=DIGITS_TEST_SIZE):
     train_images, train_labels = _normalised(images[train], digits.target[train], 16.0)
     test_images, test_labels = _normalised(images[test], digits.target[test], 16.0)
     source = "scikit-learn's 8x8 digits upscaled to 28x28 (NOT Fashion-MNIST)"
-    return Dataset(train_images, train_labels, test_images, test_labels, source)
+    return Dataset(train_images, train_labels, test_images, test_labels, source, "digits", DIGITS_LOCATION)
 
 
 def _one_line(exc):
@@ -318,14 +343,56 @@ def _one_line(exc):
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def load_dataset(data_dir=None, cache_dir=None, download=True, log=print):
+def describe(data):
+    """Returns the one line that says what ``data`` is and where it came from.
+
+    Args:
+      data: a ``Dataset``.
+
+    Returns:
+      A string without newline.
+
+    Example:
+      >>> describe(load_dataset("/data/fashion-mnist"))
+      'data: Fashion-MNIST from /data/fashion-mnist, 60000 train / 10000 test examples'
+    """
+    return "data: %s, %d train / %d test examples" % (data.source, len(data.train_labels), len(data.test_labels))
+
+
+def system_dir():
+    """Returns where the Debian package ``dataset-fashion-mnist`` puts the files.
+
+    Returns:
+      ``$GRADACCUM_SYSTEM_DATASETS/fashion-mnist``, by default
+      ``/usr/share/datasets/fashion-mnist``; the directory may not exist.
+
+    Example:
+      >>> system_dir()
+      '/usr/share/datasets/fashion-mnist'
+    """
+    return os.path.join(os.environ.get("GRADACCUM_SYSTEM_DATASETS") or SYSTEM_DATASETS, "fashion-mnist")
+
+
+def _first_local(candidates):
+    """Loads the first ``(label, directory)`` holding all four files; returns ``(data, reasons)``."""
+    reasons = []
+    for label, directory in candidates:
+        if not find_fashion_files(directory)[1]:
+            return load_fashion_dir(directory), reasons
+        reasons.append("%s %s" % (label, directory))
+    return None, reasons
+
+
+def load_dataset(data_dir=None, cache_dir=None, system_data=True, download=True, log=print):
     """Loads Fashion-MNIST from the first source that has it, else the digits.
 
     Args:
       data_dir: optional directory that must hold the four IDX files.
       cache_dir: where Keras caches the files; ``None`` means ``keras_cache_dir()``.
+      system_data: whether to look where the Debian package puts them (``system_dir()``).
       download: whether to try ``tf.keras.datasets.fashion_mnist.load_data()``.
-      log: called with one line when the digits fallback is used.
+      log: called with exactly one line: ``describe(data)``, and for the
+        digits fallback where it looked and how to get Fashion-MNIST.
 
     Returns:
       A ``Dataset``.
@@ -334,20 +401,24 @@ def load_dataset(data_dir=None, cache_dir=None, download=True, log=print):
       ValueError: when ``data_dir`` lacks the files, or a file found is corrupt.
 
     Example:
-      >>> data = load_dataset(data_dir=None)  # offline: one line, then the digits
+      >>> data = load_dataset(data_dir=None)  # cache, /usr/share/datasets, download, digits
     """
     if data_dir is not None:
-        return load_fashion_dir(data_dir)
+        data = load_fashion_dir(data_dir)
+        log(describe(data))
+        return data
     cache_dir = keras_cache_dir() if cache_dir is None else cache_dir
-    if not find_fashion_files(cache_dir)[1]:
-        return load_fashion_dir(cache_dir)
-    reason = "no --data-dir and no files in %s" % cache_dir
-    if download:
+    candidates = [("no files in", cache_dir)] + ([("nor in", system_dir())] if system_data else [])
+    data, reasons = _first_local(candidates)
+    if data is None and download:
         try:
-            return download_fashion()
+            data = download_fashion()
         except Exception as exc:  # Any failure to download means: fall back.
-            reason += "; download failed: %s" % _one_line(exc)
+            reasons.append("download failed: %s" % _one_line(exc))
+    if data is not None:
+        log(describe(data))
+        return data
     data = load_digits_28x28()
-    log("Fashion-MNIST not found (%s): falling back to %s, %d train / %d test examples"
-        % (reason, data.source, len(data.train_labels), len(data.test_labels)))
+    log("%s; Fashion-MNIST not found (no --data-dir, %s); %s"
+        % (describe(data), ", ".join(reasons), HOW_TO_GET))
     return data

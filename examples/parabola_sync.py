@@ -11,6 +11,17 @@ applies them once per step, so the run matches the single-process one::
 
     python -m gradaccum.launch --workers 3 -- python examples/parabola_sync.py --steps 2000
 
+With ``--engine collective`` there is no chief feeding the others: every
+process builds the same graph, computes the gradient of its own share of the
+points (``--shards 30,20`` chooses uneven shares), and the processes sum
+``size * gradient`` and the sizes with TensorFlow's collective all-reduce,
+once per update; worker 0's initial values are broadcast first::
+
+    python -m gradaccum.launch --workers 3 -- python examples/parabola_sync.py --engine collective
+
+Either way a peer that dies or stops answering ends the others within
+``--heartbeat-timeout`` seconds (30 by default), with one line.
+
 Several machines: start the same command on each with its own ``TF_CONFIG``
 (see the README). ``--accumulate k`` adds a ``GradientAccumulator``: each step
 is k micro-batches of 50/k points. ``--checkpoint-dir`` makes the chief save
@@ -68,19 +79,53 @@ def make_model_fn(weights):
     return model_fn
 
 
+def collective(args, config):
+    """True when this process trains with the collective engine (each worker its own graph)."""
+    return config is not None and args.engine == "collective"
+
+
+def rank_of(config):
+    """This process's index among the compute tasks (chief first), and their number."""
+    tasks = config.compute_tasks if config is not None else [None]
+    return (tasks.index((config.task_type, config.task_index)) if config is not None else 0), len(tasks)
+
+
+def my_points(args, config):
+    """The indices of the points this process computes on: all, or its collective shard."""
+    if not collective(args, config):
+        return np.arange(NUM_POINTS)
+    rank, size = rank_of(config)
+    if args.shards is None:
+        return np.array_split(np.arange(NUM_POINTS), size)[rank]
+    return np.arange(sum(args.shards[:rank]), sum(args.shards[:rank + 1]))
+
+
 def build(args, config):
     """Builds the graph; returns a dict of the tensors and ops the loop needs."""
     xs = tf.compat.v1.placeholder(tf.float32, [None, 1], name="xs")
     ys = tf.compat.v1.placeholder(tf.float32, [None, 1], name="ys")
-    chief_device = "/cpu:0" if config is None else "/job:%s/task:%d/cpu:0" % config.chief
-    var_device = "/cpu:0" if config is None else cluster.variables_device(config)
+    local = config is None or collective(args, config)  # Every op of this graph runs in this process.
+    chief_device = "/cpu:0" if local else "/job:%s/task:%d/cpu:0" % config.chief
+    var_device = "/cpu:0" if local else cluster.variables_device(config)
     with tf.device(var_device):
         global_step = tf.compat.v1.train.get_or_create_global_step()
     optimizer = tf.compat.v1.train.GradientDescentOptimizer(args.learning_rate)
+    if collective(args, config):
+        optimizer = cluster.CollectiveAllReduce(optimizer, config)
     if args.accumulate > 1:
         optimizer = GradientAccumulator(optimizer, args.accumulate)
-    model_fn = make_model_fn(initial_weights(args.seed))
-    if config is None:  # The seed's plain graph: the reference the cluster runs must match.
+    seed = args.seed + (rank_of(config)[0] if args.worker_seeds and collective(args, config) else 0)
+    model_fn = make_model_fn(initial_weights(seed))
+    broadcast = None
+    if collective(args, config):  # Each worker's own graph; the same graph everywhere.
+        loss = model_fn(xs, ys)
+        if args.accumulate > 1:
+            train_op = optimizer.minimize(loss, global_step=global_step, weight=tf.shape(xs)[0])
+        else:
+            train_op = optimizer.apply_gradients(optimizer.compute_gradients(loss), global_step,
+                                                 weight=tf.shape(xs)[0])
+        broadcast = cluster.broadcast_variables(config)
+    elif config is None:  # The seed's plain graph: the reference the cluster runs must match.
         loss = model_fn(xs, ys)
         weight = {"weight": tf.shape(xs)[0]} if args.accumulate > 1 else {}
         train_op = optimizer.minimize(loss, global_step=global_step, **weight)
@@ -90,29 +135,46 @@ def build(args, config):
         train_op, loss = result.train_op, result.loss
     with tf.device(chief_device):  # Checkpoints are written on the chief's disk.
         saver = tf.compat.v1.train.Saver(max_to_keep=3) if args.checkpoint_dir else None
-    stop = cluster.StopSignal(config) if config is not None else None
+    stop = cluster.StopSignal(config) if config is not None and not collective(args, config) else None
     return dict(xs=xs, ys=ys, global_step=global_step, train_op=train_op, loss=loss, saver=saver, stop=stop,
+                broadcast=broadcast, chief=config is None or config.is_chief,
                 init=tf.compat.v1.global_variables_initializer(),
                 variables=dict((v.op.name, v) for v in tf.compat.v1.trainable_variables()))
 
 
 def restore_or_init(sess, graph, args):
-    """Restores the newest checkpoint of ``--checkpoint-dir``, else initializes."""
-    path = tf.train.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    """Restores the newest checkpoint of ``--checkpoint-dir`` (chief), else initializes.
+
+    With the collective engine every worker then takes worker 0's values.
+    """
+    path = tf.train.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir and graph["chief"] else None
     if path is None:
         sess.run(graph["init"])
-        return
-    graph["saver"].restore(sess, path)
-    print("restored global_step %d from %s" % (sess.run(graph["global_step"]), path))
+    else:
+        graph["saver"].restore(sess, path)
+        print("restored global_step %d from %s" % (sess.run(graph["global_step"]), path))
+    if graph["broadcast"] is not None:
+        sess.run(graph["broadcast"])
 
 
-def train_step(sess, graph, x, y, k):
-    """Runs one update (k micro-batches); returns the full-batch loss before it."""
+def train_step(sess, graph, x, y, k, mine, trace=None):
+    """Runs one update (k micro-batches of the points ``mine``); returns the full-batch loss before it.
+
+    ``trace``: a list that gets, per run, the number of collective
+    all-reduces that ran (from the run's step stats).
+    """
+    before = sess.run(graph["loss"], {graph["xs"]: x, graph["ys"]: y}) if len(mine) < len(x) else None
     total = 0.0
-    for part in np.array_split(np.arange(len(x)), k):
-        _, loss = sess.run([graph["train_op"], graph["loss"]], {graph["xs"]: x[part], graph["ys"]: y[part]})
+    for part in np.array_split(mine, k):
+        options, metadata = (None, None) if trace is None else (
+            tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE), tf.compat.v1.RunMetadata())
+        _, loss = sess.run([graph["train_op"], graph["loss"]], {graph["xs"]: x[part], graph["ys"]: y[part]},
+                           options=options, run_metadata=metadata)
         total += loss * len(part)  # The weights stay put within a window.
-    return total / len(x)
+        if trace is not None:
+            trace.append(len({node.node_name for dev in metadata.step_stats.dev_stats for node in dev.node_stats
+                              if " = CollectiveReduce(" in node.timeline_label}))
+    return total / len(x) if before is None else before
 
 
 def save(sess, graph, args, step):
@@ -126,21 +188,22 @@ def train(sess, graph, args):
     x, y = parabola()
     restore_or_init(sess, graph, args)
     step = int(sess.run(graph["global_step"]))
-    steps, losses = [], []
+    steps, losses, trace = [], [], [] if args.trace_collectives else None
     while step < args.steps:
-        loss = train_step(sess, graph, x, y, args.accumulate)
+        loss = train_step(sess, graph, x, y, args.accumulate, graph["mine"], trace)
         steps.append(step)
         losses.append(loss)
-        if step % args.log_every == 0:
+        if step % args.log_every == 0 and graph["chief"]:
             print("global_step %d loss %.6f" % (step, loss))
         step = int(sess.run(graph["global_step"]))
-        if args.checkpoint_dir and (step % args.checkpoint_every == 0 or step == args.steps):
+        if args.checkpoint_dir and graph["chief"] and (step % args.checkpoint_every == 0 or step == args.steps):
             save(sess, graph, args, step)
     final_loss, devices = traced_loss(sess, graph, x, y)
     print("global_step %d loss %.6f (final)" % (step, final_loss))
     weights = sess.run(graph["variables"])
     return dict(weights, global_steps=np.array(steps, np.int64), losses=np.array(losses, np.float64),
-                final_step=np.int64(step), devices=np.array(devices))
+                final_step=np.int64(step), devices=np.array(devices),
+                collective_runs=np.array(trace if trace is not None else [], np.int64))
 
 
 def traced_loss(sess, graph, x, y):
@@ -152,24 +215,59 @@ def traced_loss(sess, graph, x, y):
 
 
 def run(args, config, server):
-    """Builds the graph and trains in this process (single process or chief)."""
+    """Builds the graph and trains in this process (single process, in-graph chief, or collective worker)."""
     with tf.Graph().as_default() as g:
         graph = build(args, config)
+        graph["mine"] = my_points(args, config)
     target = "" if server is None else server.target
-    session_config = None if config is None else cluster.session_config(config)
+    if config is None:
+        session_config = None
+    elif collective(args, config):
+        session_config = cluster.collective_session_config(config)
+    else:
+        session_config = cluster.session_config(config)
+    heartbeat = None if config is None else cluster.Heartbeat(server, config, timeout_seconds=args.heartbeat_timeout)
     with tf.compat.v1.Session(target, graph=g, config=session_config) as sess:
+        if heartbeat is not None:
+            heartbeat.start()
         history = train(sess, graph, args)
+        if heartbeat is not None:
+            heartbeat.stop()
         if graph["stop"] is not None:
             missed = graph["stop"].send(sess)
             if missed:
                 print("could not signal %s to stop" % ", ".join(missed))
     if args.out:
-        np.savez(args.out, **dict((k.replace("/", "__"), v) for k, v in history.items()))
+        out = args.out if graph["chief"] else "%s-worker%d.npz" % (os.path.splitext(args.out)[0], rank_of(config)[0])
+        np.savez(out, **dict((k.replace("/", "__"), v) for k, v in history.items()))
 
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, "%s: error: %s\n" % (self.prog, message))
+
+
+def _shard_sizes(text):
+    """argparse type: comma-separated ints >= 1 summing to the number of points."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or sum(sizes) != NUM_POINTS:
+        raise argparse.ArgumentTypeError("must be ints >= 1 separated by commas, summing to %d, got %r"
+                                         % (NUM_POINTS, text))
+    return sizes
+
+
+def _positive_float(text):
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be a number > 0, got %r" % text)
+    return value
 
 
 def _positive_int(text):
@@ -196,7 +294,31 @@ def parse_args(argv):
     parser.add_argument("--device", default="cpu:0", help="device of each task's tower, e.g. gpu:0")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for all tasks")
     parser.add_argument("--out", default=None, help="write the loss history and final weights (.npz)")
+    parser.add_argument("--engine", choices=("ingraph", "collective"), default="ingraph",
+                        help="several processes: the chief's one graph (ingraph) or each its own (collective)")
+    parser.add_argument("--shards", type=_shard_sizes, default=None,
+                        help="collective: points per worker, e.g. 30,20 (default: as even as possible)")
+    parser.add_argument("--worker-seeds", action="store_true",
+                        help="collective: worker r draws its initial weights with seed + r (the broadcast fixes it)")
+    parser.add_argument("--heartbeat-timeout", type=_positive_float, default=30.0,
+                        help="seconds a silent peer is waited for before this process fails")
+    parser.add_argument("--trace-collectives", action="store_true",
+                        help="count the all-reduces of every run (into --out as collective_runs)")
     return parser.parse_args(argv)
+
+
+def check_collective(args, config):
+    """Fails in one line on a cluster or flags the collective engine cannot run."""
+    if "ps" in config.cluster:
+        raise ValueError("`--engine collective` takes no ps task, got %d (run the launcher with --ps 0)"
+                         % len(config.cluster["ps"]))
+    size = rank_of(config)[1]
+    if args.shards is not None and len(args.shards) != size:
+        raise ValueError("`--shards` must give one size per worker (%d), got %d" % (size, len(args.shards)))
+    smallest = min(args.shards) if args.shards is not None else NUM_POINTS // size
+    if args.accumulate > smallest:
+        raise ValueError("`--accumulate` must be <= %d (each worker's smallest share), got %d"
+                         % (smallest, args.accumulate))
 
 
 def main(argv=None):
@@ -207,11 +329,16 @@ def main(argv=None):
         if args.accumulate > NUM_POINTS:
             raise ValueError("`--accumulate` must be <= %d (one point per micro-batch), got %d"
                              % (NUM_POINTS, args.accumulate))
-        if config is not None:
+        if collective(args, config):
+            check_collective(args, config)
+            server = cluster.start_server(config, cluster.collective_session_config(config))
+            cluster.wait_for_tasks(config, timeout_seconds=args.startup_timeout)
+        elif config is not None:
             cluster.worker_devices(config, args.device)  # Fails early on a bad --device.
             server = cluster.start_server(config)
             if not config.is_chief:
-                cluster.serve(server, config, startup_timeout_seconds=args.startup_timeout)
+                cluster.serve(server, config, startup_timeout_seconds=args.startup_timeout,
+                              heartbeat_timeout_seconds=args.heartbeat_timeout)
                 return 0
             cluster.wait_for_tasks(config, timeout_seconds=args.startup_timeout)
         run(args, config, server if config is not None else None)
@@ -220,10 +347,7 @@ def main(argv=None):
         print("parabola_sync.py: error: %s" % exc, file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
     except tf.errors.OpError as exc:  # A task died under the running session.
-        lines = [line.strip() for line in exc.message.splitlines()
-                 if line.strip() and not line.startswith("Graph execution error")]
-        print("parabola_sync.py: error: training failed: %s: %s"
-              % (type(exc).__name__, " ".join(lines[:2])), file=sys.stderr)
+        print("parabola_sync.py: error: training failed: %s" % cluster.describe_op_error(exc), file=sys.stderr)
         return 1
 
 

@@ -1,32 +1,79 @@
 """gradaccum: exact gradient accumulation and synchronous multi-device training.
 
 For TensorFlow 1.x graph mode (``tf.compat.v1``), TF 1.15 to 2.x. Public
-names are re-exported here explicitly, one per line; the modules ``tower``
-(several devices), ``cluster`` (several processes and hosts) and ``launch``
-(the one-machine launcher, ``python -m gradaccum.launch``) are public too.
+names are re-exported here explicitly, one per line, and imported on first
+use; the modules ``tower`` (several devices), ``cluster`` (several processes
+and hosts, with its engines ``collective`` and ``ingraph``), ``launch``
+(the one-machine launcher, ``python -m gradaccum.launch``) and ``statistics``
+(the gradient noise scale behind ``summaries``) are public too.
 """
-from gradaccum import cluster
-from gradaccum import launch
-from gradaccum import tower
+import importlib as _importlib
+import sys as _sys
+
 from gradaccum._version import __version__
-from gradaccum.accumulator import GradientAccumulator
-from gradaccum.cluster import AllReduceOnApply
-from gradaccum.cluster import ClusterConfig
-from gradaccum.cluster import ClusterError
-from gradaccum.cluster import StopSignal
-from gradaccum.tower import Tower
-from gradaccum.tower import TowerTraining
+
+# Public name -> (module, attribute; None for the module itself), one per line.
+# Imported on first use (PEP 562), so that `python -m gradaccum.launch`, which
+# imports this package first, parses its flags without loading TensorFlow.
+_EXPORTS = {
+    "GradientAccumulator": ("gradaccum.accumulator", "GradientAccumulator"),
+    "batch_normalization": ("gradaccum.batch_norm", "batch_normalization"),
+    "AllReduceOnApply": ("gradaccum.cluster", "AllReduceOnApply"),
+    "ClusterConfig": ("gradaccum.cluster", "ClusterConfig"),
+    "ClusterError": ("gradaccum.cluster", "ClusterError"),
+    "Heartbeat": ("gradaccum.cluster", "Heartbeat"),
+    "StopSignal": ("gradaccum.cluster", "StopSignal"),
+    "CollectiveAllReduce": ("gradaccum.collective", "CollectiveAllReduce"),
+    "synchronized_batch_norm": ("gradaccum.collective", "synchronized_batch_norm"),
+    "summaries": ("gradaccum.statistics", "summaries"),
+    "Tower": ("gradaccum.tower", "Tower"),
+    "TowerTraining": ("gradaccum.tower", "TowerTraining"),
+    "cluster": ("gradaccum.cluster", None),
+    "collective": ("gradaccum.collective", None),
+    "ingraph": ("gradaccum.ingraph", None),
+    "launch": ("gradaccum.launch", None),
+    "statistics": ("gradaccum.statistics", None),
+    "tower": ("gradaccum.tower", None),
+}
+
+if _sys.argv[:1] != ["-m"]:  # "-m" only while `python -m gradaccum.<module>` locates its module.
+    from gradaccum import _compat  # noqa: F401  Fails at once, in one sentence, without TensorFlow.
+
+
+def __getattr__(name):
+    """Imports an exported name on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError("module 'gradaccum' has no attribute %r" % (name,))
+    module, attribute = _EXPORTS[name]
+    value = _importlib.import_module(module)
+    value = value if attribute is None else getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    """The module's names, exported ones included before their first use."""
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "__version__",
     "AllReduceOnApply",
     "ClusterConfig",
     "ClusterError",
+    "CollectiveAllReduce",
     "GradientAccumulator",
+    "Heartbeat",
     "StopSignal",
     "Tower",
     "TowerTraining",
+    "batch_normalization",
     "cluster",
+    "collective",
+    "ingraph",
     "launch",
+    "statistics",
+    "summaries",
+    "synchronized_batch_norm",
     "tower",
 ]

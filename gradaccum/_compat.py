@@ -5,6 +5,7 @@ module, so that a missing or too-old TensorFlow fails in one sentence and
 version-dependent behaviour stays in one file. This module creates no
 variables and no collections.
 """
+import contextlib
 import re
 
 _INSTALL_HINT = (
@@ -111,3 +112,127 @@ def in_control_flow(graph=None):
     # Neither question has a public API in TF 1.15; both attributes exist
     # from 1.15 to 2.21.
     return graph._get_control_flow_context() is not None or bool(getattr(graph, "building_function", False))
+
+
+# tf.compat.v1.layers.batch_normalization takes its fused kernel for these input
+# ranks (with a float16/bfloat16/float32 input and the channel axis first or
+# last after the batch): rank 4 only up to TF 2.4, ranks 4 and 5 from TF 2.5
+# (tensorflow/tensorflow#48115).
+FUSED_BATCH_NORM_RANKS = (4, 5) if TF_VERSION >= (2, 5) else (4,)
+
+
+def add_control_inputs(op, inputs):
+    """Makes the existing ``op`` wait for the ops ``inputs`` (graph mode).
+
+    ``Operation._add_control_inputs`` is private, but present from TF 1.15
+    to 2.x.
+
+    Args:
+      op: a ``tf.Operation`` already in the graph.
+      inputs: ops or tensors of the same graph.
+
+    Example:
+      >>> add_control_inputs(update_op, [other_tower_mean])
+    """
+    op._add_control_inputs([getattr(item, "op", item) for item in inputs])
+
+
+@contextlib.contextmanager
+def v1_control_flow(needed=True):
+    """Builds ``tf.cond`` with v1 control flow inside the block, when ``needed``.
+
+    Ref (old-style) variables cannot be updated inside control flow v2 (the
+    branch functions see plain tensors where the update kernels need refs),
+    which TF2 behaviour turns on even when ``disable_resource_variables()``
+    keeps ref variables. Inside this block ``tf.cond`` builds v1 ``Switch``
+    and ``Merge`` ops instead, as TF 1.x does; the setting is restored after.
+
+    Args:
+      needed: when False, or when control flow v2 is off, the block changes
+        nothing.
+
+    Yields:
+      None.
+
+    Example:
+      >>> with v1_control_flow(any(not is_resource_variable(v) for v in var_list)):
+      ...     op = tf.cond(due, apply, tf.no_op)
+    """
+    if not needed or not tf.compat.v1.control_flow_v2_enabled():
+        yield
+        return
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
+
+
+def _collective_ops():
+    from tensorflow.python.ops import collective_ops  # Not exported by tf.*; in TF 1.15 to 2.x.
+    return collective_ops
+
+
+def _collective_timeout(function, timeout_seconds):
+    """``{"timeout": s}`` where the op takes one (TF 2.x); ``{}`` on TF 1.15, which has none."""
+    import inspect
+
+    if timeout_seconds is None or "timeout" not in inspect.signature(function).parameters:
+        return {}
+    return {"timeout": float(timeout_seconds)}
+
+
+def collective_sum(tensor, group_size, group_key, instance_key, timeout_seconds=None):
+    """Sums ``tensor`` over the ``group_size`` devices that run the same keys.
+
+    TensorFlow's collective all-reduce (``CollectiveReduce``), between the
+    devices of one session or of several processes. Its module is not public
+    API, and its signature changed after TF 1.15 (``merge_op`` and
+    ``final_op`` became optional, ``timeout`` appeared): all are passed
+    explicitly, the timeout only where the op takes one.
+
+    Args:
+      tensor: this device's contribution.
+      group_size: the number of devices taking part.
+      group_key: int identifying the group.
+      instance_key: int identifying this reduction; the same on every task.
+      timeout_seconds: None, or how long the op may wait before it fails
+        with ``DeadlineExceededError`` (TF 2.x; ignored on TF 1.15, whose
+        collectives have no timeout).
+
+    Returns:
+      The elementwise sum over the group.
+
+    Example:
+      >>> total = collective_sum(local_sum, 3, group_key=1, instance_key=7)
+    """
+    ops = _collective_ops()
+    extra = _collective_timeout(ops.all_reduce, timeout_seconds)
+    return ops.all_reduce(tensor, group_size, group_key, instance_key, "Add", "Id", **extra)
+
+
+def collective_broadcast(tensor, send, group_size, group_key, instance_key, timeout_seconds=None):
+    """Sends ``tensor`` from this task (``send``) or receives one of its shape and dtype.
+
+    Args:
+      tensor: on the sender, the value; elsewhere, a tensor of the same shape
+        and dtype (its value is not used).
+      send: True on the one sending task.
+      group_size: the number of tasks taking part.
+      group_key: int identifying the group.
+      instance_key: int identifying this broadcast; the same on every task.
+      timeout_seconds: as in :func:`collective_sum`.
+
+    Returns:
+      The sender's value, on every task.
+
+    Example:
+      >>> value = collective_broadcast(flat, rank == 0, 3, group_key=1, instance_key=8)
+    """
+    ops = _collective_ops()
+    shape, dtype = tensor.shape, tensor.dtype.base_dtype
+    if send:
+        extra = _collective_timeout(ops.broadcast_send, timeout_seconds)
+        return ops.broadcast_send(tensor, shape, dtype, group_size, group_key, instance_key, **extra)
+    extra = _collective_timeout(ops.broadcast_recv, timeout_seconds)
+    return ops.broadcast_recv(shape, dtype, group_size, group_key, instance_key, **extra)

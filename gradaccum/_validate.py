@@ -158,29 +158,55 @@ def check_scalar_tensor(value, arg, allow_none=False):
 
 
 def check_var_list(var_list, arg="var_list"):
-    """Checks an optional list of variables: not empty, only variables.
+    """Checks an optional (nested) list of variables as TF's ``compute_gradients`` reads it.
+
+    TF flattens ``var_list`` (a single variable is a list of one) and accepts
+    tensors there (``apply_gradients`` then raises ``NotImplementedError``);
+    so does this check. Its errors start as TF's do.
 
     Args:
-      var_list: ``None`` or a list or tuple of ``tf.Variable``.
+      var_list: ``None``, a variable, or a (nested) list or tuple of
+        ``tf.Variable`` or ``tf.Tensor``.
       arg: the argument's name, for the message.
 
     Returns:
-      ``var_list`` as a list, or ``None``.
+      ``var_list`` as a flat list, or ``None``.
 
     Raises:
-      TypeError: when it is not a list or tuple, or holds a non-variable.
-      ValueError: when it is empty.
+      TypeError: when it holds something other than a variable or tensor.
+      ValueError: when it is empty ("No variables to optimize", as TF).
 
     Example:
       >>> check_var_list(tf.compat.v1.trainable_variables())
     """
     if var_list is None:
         return None
-    if not isinstance(var_list, (list, tuple)):
-        raise TypeError("`%s` must be a list of variables, got %s" % (arg, describe(var_list)))
-    if not var_list:
-        raise ValueError("`%s` must not be empty, got %s" % (arg, describe(var_list)))
-    for item in var_list:
-        if not isinstance(item, tf.Variable):
+    items = tf.nest.flatten(var_list)
+    if not items:
+        raise ValueError("No variables to optimize. `%s` must not be empty, got %s" % (arg, describe(var_list)))
+    for item in items:
+        if not isinstance(item, (tf.Variable, tf.Tensor)):
             raise TypeError("`%s` must hold only variables, got %s" % (arg, describe(item)))
-    return list(var_list)
+    return items
+
+
+def check_bool(value, arg):
+    """Checks that ``value`` is a Python bool.
+
+    Args:
+      value: the value to check.
+      arg: the argument's name, for the message.
+
+    Returns:
+      ``value``.
+
+    Raises:
+      TypeError: for anything but ``True`` or ``False``.
+
+    Example:
+      >>> check_bool(True, "skip_nonfinite")
+      True
+    """
+    if not isinstance(value, bool):
+        raise TypeError("`%s` must be a bool, got %s" % (arg, describe(value)))
+    return value

@@ -13,9 +13,10 @@ from gradaccum._compat import tf
 class WrappingOptimizer(tf.compat.v1.train.Optimizer):
     """A ``tf.compat.v1.train.Optimizer`` that forwards to a wrapped one.
 
-    ``compute_gradients`` is the wrapped optimizer's (a loss-scale optimizer
-    scales there), and slots and variables are the union of the wrapper's own
-    and the wrapped optimizer's. Subclasses write ``apply_gradients``.
+    ``compute_gradients``, ``get_slot`` and ``get_slot_names`` are the wrapped
+    optimizer's (a loss-scale optimizer scales in ``compute_gradients``);
+    ``variables()`` adds the wrapper's own state (``_own_variables``) to the
+    wrapped optimizer's. Subclasses write ``apply_gradients``.
 
     Args:
       optimizer: the ``tf.compat.v1.train.Optimizer`` to wrap.
@@ -59,13 +60,15 @@ class WrappingOptimizer(tf.compat.v1.train.Optimizer):
         return self._optimizer.compute_gradients(*args, **kwargs)
 
     def get_slot(self, var, name):
-        """Returns slot ``name`` of ``var``: the wrapper's or the wrapped optimizer's.
+        """Returns the wrapped optimizer's slot ``name`` of ``var``, exactly as it would.
+
+        A wrapper's own state is never a slot here, so that no name of the
+        wrapped optimizer is shadowed (Adadelta and Ftrl call theirs
+        ``"accum"``); subclasses expose their state through properties.
 
         Args:
           var: a variable this optimizer trains.
-          name: a slot name of the wrapper (``GradientAccumulator``'s
-            ``"accum"``, ``"touched"``) or of the wrapped optimizer (for Adam
-            ``"m"`` and ``"v"``).
+          name: a slot name of the wrapped optimizer (for Adam ``"m"`` and ``"v"``).
 
         Returns:
           The slot variable, or ``None``.
@@ -73,24 +76,27 @@ class WrappingOptimizer(tf.compat.v1.train.Optimizer):
         Example:
           >>> opt.get_slot(kernel, "m")  # Adam's first moment
         """
-        own = super(WrappingOptimizer, self).get_slot(var, name)
-        return own if own is not None else self._optimizer.get_slot(var, name)
+        return self._optimizer.get_slot(var, name)
 
     def get_slot_names(self):
-        """Returns the slot names of the wrapper and of the wrapped optimizer.
+        """Returns the wrapped optimizer's slot names, exactly as it would.
 
         Returns:
-          A sorted list of strings.
+          A list of strings.
 
         Example:
           >>> opt.get_slot_names()
-          ['accum', 'm', 'v']
+          ['m', 'v']
         """
-        own = super(WrappingOptimizer, self).get_slot_names()
-        return sorted(set(own) | set(self._optimizer.get_slot_names()))
+        return self._optimizer.get_slot_names()
 
     def variables(self):
-        """Returns every state variable: the wrapper's and the wrapped optimizer's.
+        """Returns the wrapped optimizer's variables and the wrapper's own state.
+
+        Both in the current default graph, sorted by name, as TF's
+        ``Optimizer.variables()``. A wrapper without state (``AllReduceOnApply``,
+        ``GradientAccumulator`` with k = 1 and nothing to count) returns
+        exactly the wrapped optimizer's list.
 
         Returns:
           A list of variables sorted by name.
@@ -98,7 +104,10 @@ class WrappingOptimizer(tf.compat.v1.train.Optimizer):
         Example:
           >>> saver = tf.compat.v1.train.Saver(opt.variables())
         """
-        found = {}
-        for var in list(super(WrappingOptimizer, self).variables()) + list(self._optimizer.variables()):
-            found[var.name] = var
-        return [found[key] for key in sorted(found)]
+        graph = tf.compat.v1.get_default_graph()
+        own = [var for var in self._own_variables() if var.graph is graph]
+        return sorted(list(self._optimizer.variables()) + own, key=lambda var: var.name)
+
+    def _own_variables(self):
+        """The wrapper's own state variables, in any graph (none here)."""
+        return []

@@ -4,56 +4,111 @@ A batch too big for the device is split into k micro-batches. Each run of the
 train op adds one micro-batch's (optionally weighted) gradients to cache
 variables; the k-th run divides by the accumulated weight, applies the result
 through the wrapped optimizer, increments ``global_step`` and resets, all in
-that same ``session.run``.
+that same ``session.run``. With k = 1 the wrapper is the wrapped optimizer:
+same ops, same results, same errors (see the README's "drop-in" section for
+what is proven and how).
 
-Variables this module creates (all global, non-trainable, so that a
-``Saver`` checkpoint taken in the middle of a window restores it exactly),
-each colocated with the variable it serves:
+Variables this module creates (global, non-trainable, so that a ``Saver``
+checkpoint taken in the middle of a window restores it exactly; resource
+variables, each colocated with the variable it serves). Each train op built
+with k > 1 has its own window, scoped ``<scope>`` (``name``, made unique):
 
-* ``<var>/<name>``: one accumulator per variable with a gradient, slot
-  ``"accum"``, the variable's shape, in the variable's dtype widened to at
-  least float32 (and to ``accumulation_dtype`` when that is wider).
+* ``<var>/<name>``: the cache of each variable with a gradient, of the
+  variable's shape, in its dtype widened to at least float32 (and to
+  ``accumulation_dtype`` when that is wider);
 * ``<var>/<name>_touched``: for a sparse (``IndexedSlices``) gradient only,
-  slot ``"touched"``, one flag per row, so that the applied gradient is sparse
-  again and touches exactly the rows the full batch would.
+  one flag per row, so that the applied gradient is sparse again and touches
+  exactly the rows the full batch would;
 * ``<scope>/micro_step`` (int64): micro-batches added since the last apply or
-  reset.
-* ``<scope>/weight_sum``: the weight added since the last apply or reset.
+  reset; ``<scope>/weight_sum``: the weight added since then;
 * ``<scope>/skipped_windows`` (int64): windows not applied because their
-  total weight was zero, or (with ``skip_nonfinite``) their sum not finite.
+  total weight was zero, or their sum was not finite (with
+  ``skip_nonfinite``, or a wrapped loss-scale optimizer's overflow);
+* with ``statistics=True``: ``<scope>/statistics/...`` (see
+  ``gradaccum.statistics``).
 
-Collections: these variables go to ``GLOBAL_VARIABLES`` only. The fused train
-op is appended to ``TRAIN_OP``; the wrapped optimizer's internal apply ops are
-kept out of it, because running them on their own would apply a stale window.
+With k = 1 there is no cache, ``micro_step`` or ``weight_sum``; only
+``skipped_windows`` when a window can be skipped or statistics are kept.
+None of these is a slot: ``get_slot`` and ``get_slot_names`` are the wrapped
+optimizer's. ``variables()`` returns the wrapped optimizer's variables plus
+:attr:`GradientAccumulator.state_variables`; ``Saver()`` saves them all.
+
+Memory passes (issue 13): per micro-step, one fused pass per dense cache
+(``cache += weight * gradient`` in one kernel, the weight being its scalar);
+at a window's end the division by the weight is the only pass that reads the
+caches, and the reset writes zeros without reading them.
+
+Collections: the variables go to ``GLOBAL_VARIABLES`` only. The train op is
+appended to ``TRAIN_OP``; the wrapped optimizer's internal apply ops are kept
+out of it, because running them on their own would apply a stale window.
+Logging: a train op with k > 1 and a ``global_step`` installs
+``gradaccum.hooks.GlobalStepWarningFilter`` (see there).
 """
 import collections
 
 from gradaccum import _validate
-from gradaccum._compat import in_control_flow, tf
+from gradaccum import hooks
+from gradaccum import statistics as _statistics
+from gradaccum._compat import in_control_flow, is_resource_variable, tf, v1_control_flow
+from gradaccum._window import split_update_ops
 from gradaccum._wrapper import WrappingOptimizer
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.
 _FLOAT_WIDTH = {tf.float16: 16, tf.bfloat16: 16, tf.float32: 32, tf.float64: 64}
 _ACCUMULATION_DTYPES = (tf.float32, tf.float64)
-
-# What apply_gradients builds; documented on the public properties.
-_Window = collections.namedtuple(
-    "_Window", ["slots", "micro_step", "weight_sum", "skipped", "accumulate", "apply", "zero"]
+_EAGER_MESSAGE = (
+    "GradientAccumulator builds TF1 graph-mode train ops, but eager execution is enabled: call "
+    "tf.compat.v1.disable_eager_execution() (or tf.compat.v1.disable_v2_behavior()) at the top of "
+    "the script, before building the model"
 )
+
+Window = collections.namedtuple("Window", [
+    "train_op", "accumulate_op", "apply_op", "zero_op", "micro_step", "weight_sum", "skipped_windows",
+    "accumulators", "touched", "variables", "statistics"])
+Window.__doc__ = """What one ``minimize``/``apply_gradients`` call of a GradientAccumulator built.
+
+Each train op has its own window: its own caches and counters.
+
+Attributes:
+  train_op: the op returned, run once per micro-batch.
+  accumulate_op: adds the fed micro-batch, never applies (manual pattern);
+    ``None`` with k = 1.
+  apply_op: applies ``cache / weight_sum`` whatever the count, increments
+    ``global_step`` and resets (skips a zero-weight window); needs no feed;
+    ``None`` with k = 1.
+  zero_op: resets the window without applying; ``None`` with k = 1.
+  micro_step: int64 variable, micro-batches since the last apply or reset
+    (``None`` with k = 1).
+  weight_sum: variable, the weight since then (``None`` with k = 1).
+  skipped_windows: int64 variable counting skipped windows, or ``None``
+    (k = 1 with nothing that can skip).
+  accumulators: the cache variables, one per variable with a gradient.
+  touched: per cache, the row flags of a sparse one, else ``None``.
+  variables: the trained variables, in the order of ``accumulators``.
+  statistics: the ``gradaccum.statistics.GradientStatistics``, or ``None``.
+"""
+
 # One variable's accumulation state; ``touched`` is None for dense gradients.
 _Slot = collections.namedtuple("_Slot", ["var", "accum", "touched"])
+# The state of one window while it is being built.
+_State = collections.namedtuple("_State", ["slots", "micro_step", "weight_sum", "skipped", "stats"])
 
 
 class GradientAccumulator(WrappingOptimizer):
     """Wraps a ``tf.compat.v1.train.Optimizer`` to apply once every k micro-batches.
 
     The train op is run once per micro-batch. Runs 1 to k-1 of a window only
-    add gradients to the accumulators: variables, the wrapped optimizer's slots
-    and ``global_step`` do not change. Run k applies
-    ``sum_i(w_i * g_i) / sum_i(w_i)`` through the wrapped optimizer, so with a
-    mean loss and ``weight`` = the micro-batch size the update equals the
-    full-batch update, uneven micro-batches included.
+    add gradients to the caches: variables, the wrapped optimizer's slots and
+    ``global_step`` do not change. Run k applies ``sum_i(w_i * g_i) /
+    sum_i(w_i)`` through the wrapped optimizer, so with a mean loss and
+    ``weight`` = the micro-batch size the update equals the full-batch update,
+    uneven micro-batches included. With k = 1 it is the wrapped optimizer.
+
+    When the wrapped optimizer has ``reduce_window`` (a collective reducer,
+    ``gradaccum.collective``), the window's un-normalised sums and weight are
+    reduced across workers once per window, skip or apply is decided on the
+    reduced values, and the average is applied with its ``apply_reduced``.
 
     Args:
       optimizer: the ``tf.compat.v1.train.Optimizer`` that applies the averaged
@@ -62,20 +117,22 @@ class GradientAccumulator(WrappingOptimizer):
       clip_norm: ``None``, or a number > 0: the averaged gradients are clipped
         by global norm once, just before they are applied.
       accumulation_dtype: ``None``, ``tf.float32`` or ``tf.float64``: the
-        narrowest dtype the accumulators use. ``None`` keeps the variable's
-        dtype (float32 for float16/bfloat16 variables). ``tf.float64`` keeps
-        sums of many float32 micro-batches exact to float32 precision (large
-        k with a large common offset), at the cost of a float64 cache.
+        narrowest dtype the caches use. ``None`` keeps the variable's dtype
+        (float32 for float16/bfloat16 variables). ``tf.float64`` keeps sums of
+        many float32 micro-batches exact to float32 precision.
       skip_nonfinite: when True, a window whose summed gradients are not
         finite is not applied, only reset and counted in ``skipped_windows``
         (for training without loss scaling; a loss-scale optimizer wrapped
-        inside does this on its own and lowers its scale).
+        inside does this on its own and lowers its scale, and the window
+        is counted and reset the same way, with or without this flag).
+      statistics: when True, keep the gradient noise scale of each window
+        (``gradaccum.statistics``; read it from :attr:`statistics`).
       name: the name scope of the ops and of the state variables.
 
     Raises:
       TypeError: when ``optimizer`` is not a v1 optimizer, or is itself a
-        ``GradientAccumulator``; when ``clip_norm`` is not a number or
-        ``skip_nonfinite`` not a bool.
+        ``GradientAccumulator``; when ``clip_norm`` is not a number, or
+        ``skip_nonfinite`` or ``statistics`` not a bool.
       ValueError: when ``num_micro_batches`` is not an int >= 1, ``clip_norm``
         is not > 0, ``accumulation_dtype`` is not float32 or float64, or
         ``name`` is empty.
@@ -90,7 +147,7 @@ class GradientAccumulator(WrappingOptimizer):
     """
 
     def __init__(self, optimizer, num_micro_batches, *, clip_norm=None, accumulation_dtype=None,
-                 skip_nonfinite=False, name="GradientAccumulator"):
+                 skip_nonfinite=False, statistics=False, name="GradientAccumulator"):
         super(GradientAccumulator, self).__init__(optimizer, name)  # Checks `optimizer` and `name` first.
         if isinstance(optimizer, GradientAccumulator):
             raise TypeError(
@@ -100,12 +157,19 @@ class GradientAccumulator(WrappingOptimizer):
         self._k = _validate.check_positive_int(num_micro_batches, "num_micro_batches")
         self._clip_norm = _validate.check_positive_number(clip_norm, "clip_norm")
         self._accumulation_dtype = _check_accumulation_dtype(accumulation_dtype)
-        if not isinstance(skip_nonfinite, bool):
-            raise TypeError("`skip_nonfinite` must be a bool, got %s" % _validate.describe(skip_nonfinite))
-        self._skip_nonfinite = skip_nonfinite
-        self._window = None
+        self._skip_nonfinite = _validate.check_bool(skip_nonfinite, "skip_nonfinite")
+        self._use_statistics = _validate.check_bool(statistics, "statistics")
+        self._windows = []
+        self._statistics = None  # The latest window's; gradaccum.statistics reads it.
 
     # ------------------------------------------------------------------ API
+
+    def __repr__(self):
+        # Keras 3's compile() rejects a TF1 optimizer with only its repr: say there what to use.
+        return ("<GradientAccumulator(%s, num_micro_batches=%d): a tf.compat.v1 optimizer for graph "
+                "mode and Keras 2 (tf_keras with TF_USE_LEGACY_KERAS=1); Keras 3 takes no TF1 "
+                "optimizer, use its own gradient_accumulation_steps there>"
+                % (type(self._optimizer).__name__, self._k))
 
     @property
     def num_micro_batches(self):
@@ -121,13 +185,17 @@ class GradientAccumulator(WrappingOptimizer):
                  gate_gradients=tf.compat.v1.train.Optimizer.GATE_OP,
                  aggregation_method=None, colocate_gradients_with_ops=False,
                  name=None, grad_loss=None, *, weight=None, update_ops=None):
-        """Builds the fused train op: ``compute_gradients`` plus ``apply_gradients``.
+        """Builds the train op: ``compute_gradients`` plus ``apply_gradients``.
+
+        Everything TF's ``Optimizer.minimize`` accepts is accepted and means
+        the same: a callable loss (TF needs resource variables for it), a
+        non-scalar loss (its sum is differentiated), ``grad_loss``.
 
         Args:
-          loss: the scalar loss of one micro-batch (a mean, when ``weight`` is
-            the micro-batch size).
+          loss: the loss of one micro-batch (a mean, when ``weight`` is the
+            micro-batch size), or a callable returning it.
           global_step: optional variable, incremented once per applied update.
-          var_list: optional non-empty list of variables to train.
+          var_list: optional list of variables to train.
           gate_gradients: as in ``tf.compat.v1.train.Optimizer.minimize``.
           aggregation_method: as in ``tf.compat.v1.train.Optimizer.minimize``.
           colocate_gradients_with_ops: as in ``tf.compat.v1.train.Optimizer``.
@@ -140,160 +208,268 @@ class GradientAccumulator(WrappingOptimizer):
             ``tf.GraphKeys.UPDATE_OPS`` at call time; ``[]`` means none.
 
         Returns:
-          The fused train op; run it once per micro-batch.
+          The train op; run it once per micro-batch.
 
         Raises:
-          TypeError: for a non-tensor loss, a bad ``var_list`` or ``weight``.
-          ValueError: for a non-scalar loss, an empty ``var_list``, no
-            gradient at all, or a second train op on this accumulator.
+          RuntimeError: when eager execution is enabled.
+          TypeError: for a bad ``var_list`` or ``weight``.
+          ValueError: as TF: "No variables to optimize" (empty ``var_list``),
+            "No gradients provided for any variable"; for a non-scalar
+            ``weight``.
+          NotImplementedError: as TF, for a tensor in ``var_list``.
 
         Example:
           >>> train_op = opt.minimize(loss, global_step=global_step,
           ...                         weight=tf.shape(images)[0])
         """
-        loss = _check_loss(loss)
+        _check_graph_mode()
         var_list = _validate.check_var_list(var_list)
+        weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
         if update_ops is None:
             update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
         grads_and_vars = self.compute_gradients(
             loss, var_list=var_list, gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
             colocate_gradients_with_ops=colocate_gradients_with_ops, grad_loss=grad_loss)
-        with tf.control_dependencies(list(update_ops)):
-            return self.apply_gradients(grads_and_vars, global_step, name, weight=weight)
+        if all(grad is None for grad, _ in grads_and_vars):  # TF's message, word for word.
+            raise ValueError(
+                "No gradients provided for any variable, check your graph for ops that do not support "
+                "gradients, between variables %s and loss %s." % ([str(v) for _, v in grads_and_vars], loss))
+        return self.apply_gradients(grads_and_vars, global_step, name, weight=weight, update_ops=update_ops)
 
-    def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None):
-        """Builds the fused train op from ``(gradient, variable)`` pairs.
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None,
+                        update_ops=None, small_batches=None):
+        """Builds a train op from ``(gradient, variable)`` pairs.
 
-        Each run adds the gradients (times ``weight``) to the accumulators; the
+        Each run adds the gradients (times ``weight``) to the caches; the
         ``num_micro_batches``-th run since the last apply divides by the summed
         weight, applies through the wrapped optimizer (which increments
         ``global_step``) and resets, in the same run. Variables whose gradient
-        is ``None`` get no accumulator and are left alone. Ops created under a
+        is ``None`` get no cache and are left alone. Every call builds a new
+        train op with its own window (see :attr:`windows`); the wrapped
+        optimizer's slots are shared, as TF shares them. Ops created under a
         surrounding ``tf.control_dependencies`` wait for it on every run; the
-        manual ``apply_op`` and ``zero_op`` are built outside it, so that they
-        need no feed.
+        manual ``apply_op`` and ``zero_op`` are built outside it.
 
         Args:
           grads_and_vars: list of ``(gradient, variable)`` pairs, as returned
             by ``compute_gradients``; gradients may be ``IndexedSlices``.
           global_step: optional variable, incremented once per applied update.
-          name: optional name of the returned op (default ``"train"``).
+          name: optional name of the returned op (default ``"train"``; with
+            k = 1 and nothing to decide, TF's own default).
           weight: ``None`` (each micro-batch weighs 1) or a scalar tensor.
+          update_ops: ops to run on every micro-batch before its gradients are
+            added; ``None``: none (use ``tf.control_dependencies`` then).
+            Window statistics among them (``gradaccum._window``) are
+            accumulated per micro-step and finalized once per applied window.
+          small_batches: ``None``, or the towers' ``[(grads_and_vars,
+            weight), ...]`` of this micro-batch, for ``statistics``.
 
         Returns:
-          The fused train op.
+          The train op.
 
         Raises:
+          RuntimeError: when eager execution is enabled.
           TypeError: for malformed pairs or a non-numeric ``weight``.
-          ValueError: when every gradient is ``None``, ``weight`` is not a
-            scalar, this accumulator already built a train op, or it is
-            called inside ``tf.cond``/``tf.while_loop`` (as when a loss-scale
-            optimizer wraps the accumulator instead of the other way round).
+          ValueError: as TF: "No variables provided", "No gradients provided
+            for any variable"; for a non-scalar ``weight``, or a call inside
+            ``tf.cond``/``tf.while_loop`` (as when a loss-scale optimizer wraps
+            the accumulator instead of the other way round).
+          NotImplementedError: as TF, for a tensor in place of a variable.
 
         Example:
           >>> grads_and_vars = opt.compute_gradients(loss)
           >>> train_op = opt.apply_gradients(grads_and_vars, global_step)
         """
-        if self._window is not None:
-            raise ValueError(
-                "this GradientAccumulator (name=%r) already built a train op; make one "
-                "GradientAccumulator per train op" % self.get_name()
-            )
+        _check_graph_mode()
         if in_control_flow():
             raise ValueError(
                 "GradientAccumulator %r must build its train op outside tf.cond and tf.while_loop; "
                 "to combine it with loss scaling, wrap the loss-scale optimizer inside it: "
                 "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % self.get_name()
             )
-        pairs = _checked_pairs(grads_and_vars)
+        grads_and_vars, pairs = _checked_pairs(grads_and_vars)
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
+        update_ops = [] if update_ops is None else list(update_ops)
         graph = tf.compat.v1.get_default_graph()
-        outer_scope = graph.get_name_scope()
         train_ops_before = list(graph.get_collection(tf.compat.v1.GraphKeys.TRAIN_OP))
-        with tf.compat.v1.name_scope(self._name) as scope:
-            self._window = self._build_window(pairs, weight, global_step, outer_scope, scope)
-            with tf.control_dependencies([self._window.accumulate]):
-                due = tf.greater_equal(self._window.micro_step.read_value(), self._k, name="window_full")
-            fused = tf.cond(due, lambda: self._finish_window(global_step, outer_scope), tf.no_op,
-                            name="apply_if_due")
-            train_op = tf.group(fused, name=name or "train")
-        _reset_collection(graph, tf.compat.v1.GraphKeys.TRAIN_OP, train_ops_before + [train_op])
-        return train_op
+        with v1_control_flow(any(not is_resource_variable(var) for _, var in pairs)):
+            if self._k == 1:
+                window = self._build_direct(grads_and_vars, pairs, weight, global_step, name, update_ops,
+                                            small_batches)
+            else:
+                window = self._build_window(pairs, weight, global_step, name, update_ops, small_batches)
+        if window.skipped_windows is not None or window.statistics is not None or self._clip_norm is not None:
+            _reset_collection(graph, tf.compat.v1.GraphKeys.TRAIN_OP, train_ops_before + [window.train_op])
+        self._windows.append(window)
+        self._statistics = window.statistics
+        if self._k > 1 and global_step is not None:
+            hooks.install_global_step_warning_filter()
+        return window.train_op
 
     # -------------------------------------------------- state, after building
 
     @property
+    def windows(self):
+        """The :class:`Window` of every train op built, in build order (all graphs)."""
+        return list(self._windows)
+
+    @property
     def accumulate_op(self):
         """Adds the current micro-batch's gradients; never applies (manual pattern)."""
-        return self._built().accumulate
+        return self._window_field("accumulate_op")
 
     @property
     def apply_op(self):
-        """Applies ``accum / weight_sum`` whatever the count, increments
+        """Applies ``cache / weight_sum`` whatever the count, increments
         ``global_step`` and resets. Needs no feed; never recomputes gradients.
         A window whose weight is zero is skipped and counted instead."""
-        return self._built().apply
+        return self._window_field("apply_op")
 
     @property
     def zero_op(self):
-        """Resets the accumulators, ``micro_step`` and ``weight_sum`` without applying."""
-        return self._built().zero
+        """Resets the caches, ``micro_step`` and ``weight_sum`` without applying."""
+        return self._window_field("zero_op")
 
     @property
     def micro_step(self):
         """int64 variable: micro-batches added since the last apply or reset."""
-        return self._built().micro_step
+        return self._window_field("micro_step")
 
     @property
     def weight_sum(self):
         """Variable: the weight added since the last apply or reset."""
-        return self._built().weight_sum
+        return self._window_field("weight_sum")
 
     @property
     def skipped_windows(self):
         """int64 variable: windows not applied because their total weight was zero
-        or, with ``skip_nonfinite``, their sum was not finite."""
-        return self._built().skipped
+        or their sum was not finite (``skip_nonfinite``, or a wrapped loss-scale
+        optimizer's overflow)."""
+        return self._window_field("skipped_windows")
 
     @property
     def accumulators(self):
-        """The accumulator variables, one per variable with a gradient."""
-        return [slot.accum for slot in self._built().slots]
+        """The cache variables, one per variable with a gradient (none with k = 1)."""
+        return list(self._single_window().accumulators)
+
+    @property
+    def statistics(self):
+        """The window's ``gradaccum.statistics.GradientStatistics`` (``statistics=True``)."""
+        return self._window_field("statistics")
+
+    @property
+    def state_variables(self):
+        """This accumulator's own variables in the current graph, sorted by name.
+
+        Every window's caches, row flags, counters and statistics: what
+        ``variables()`` adds to the wrapped optimizer's. They are in
+        ``GLOBAL_VARIABLES``, so ``Saver()`` and
+        ``global_variables_initializer()`` include them; code that initialises
+        or saves only ``opt.optimizer.variables()`` must add these.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        return sorted((v for v in self._own_variables() if v.graph is graph), key=lambda v: v.name)
 
     # ------------------------------------------------------------ building
 
-    def _built(self):
-        if self._window is None:
+    def _own_variables(self):
+        found = []
+        for window in self._windows:
+            found.extend(window.accumulators)
+            found.extend(flags for flags in window.touched if flags is not None)
+            found.extend(v for v in (window.micro_step, window.weight_sum, window.skipped_windows) if v is not None)
+            if window.statistics is not None:
+                found.extend(window.statistics.variables)
+        return found
+
+    def _single_window(self):
+        if not self._windows:
+            raise ValueError("GradientAccumulator %r has no train op yet: call `minimize` or "
+                             "`apply_gradients` first" % self.get_name())
+        graph = tf.compat.v1.get_default_graph()
+        found = [w for w in self._windows if w.train_op.graph is graph] or self._windows
+        if len(found) > 1:
+            raise ValueError("GradientAccumulator %r built %d train ops, each with its own window: "
+                             "take the one you mean from `windows`" % (self.get_name(), len(found)))
+        return found[0]
+
+    def _window_field(self, field):
+        value = getattr(self._single_window(), field)
+        if value is None:
             raise ValueError(
-                "GradientAccumulator %r has no train op yet: call `minimize` or "
-                "`apply_gradients` first" % self.get_name()
-            )
-        return self._window
+                "GradientAccumulator %r has no `%s`: %s" % (self.get_name(), field, _MISSING.get(field, _K1)))
+        return value
 
-    def _build_window(self, pairs, weight, global_step, outer_scope, scope):
-        slots, micro_step, weight_sum, skipped = self._create_state(pairs)
-        window = _Window(slots, micro_step, weight_sum, skipped, None, None, None)
-        self._window = window  # _finish_window reads it below.
-        accumulate = _accumulate(window, pairs, weight)
-        # The manual ops must not wait for the caller's control dependencies
-        # (typically UPDATE_OPS, which need a feed): rebuild the scope cleanly.
-        with tf.control_dependencies(None), tf.compat.v1.name_scope(scope):
-            apply_op = tf.group(self._finish_window(global_step, outer_scope), name="apply")
-            zero_op = tf.group(_reset(window), name="zero")
-        return window._replace(accumulate=accumulate, apply=apply_op, zero=zero_op)
+    def _build_direct(self, grads_and_vars, pairs, weight, global_step, name, update_ops, small_batches):
+        """k = 1: the wrapped optimizer's own train op, unless something must be decided or observed."""
+        reducer = _reducer(self._optimizer)
+        decide = weight is not None or self._skip_nonfinite or reducer is not None
+        if not (decide or self._use_statistics or self._clip_norm is not None):
+            with tf.control_dependencies(update_ops):
+                train_op = self._optimizer.apply_gradients(grads_and_vars, global_step, name)
+            return Window(train_op, None, None, None, None, None, None, [], [], [v for _, v in pairs], None)
+        outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
+        with tf.compat.v1.name_scope(self._name):
+            skipped, stats = self._create_direct_state(pairs, decide or self._use_statistics)
+            with tf.control_dependencies(update_ops):
+                observed = [] if stats is None else [
+                    stats.observe_small([g for g, _ in pairs], weight, small_batches=small_batches)]
+                with tf.control_dependencies(observed):
+                    sums, total = pairs, None
+                    if reducer is not None:
+                        sums = [(_weighted(g, weight), v) for g, v in pairs]
+                        total = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
+                    elif weight is not None:
+                        total = weight
+                    done = self._finish(sums, total, reducer is not None, global_step, outer_scope,
+                                        list, list, _State([], None, None, skipped, stats))
+                train_op = tf.group(done, name=name or "train")
+        return Window(train_op, None, None, None, None, None, skipped, [], [], [v for _, v in pairs], stats)
 
-    def _create_state(self, pairs):
+    def _create_direct_state(self, pairs, count):
+        with tf.compat.v1.init_scope():
+            first = min((var for _, var in pairs), key=lambda v: v.name)
+            skipped = _state_variable("skipped_windows", [], tf.int64, first) if count else None
+            stats = _statistics.create(pairs, _sum_dtype(pairs, None)) if self._use_statistics else None
+        return skipped, stats
+
+    def _build_window(self, pairs, weight, global_step, name, update_ops, small_batches):
+        """k > 1: accumulate on every run, finish the window on the k-th."""
+        plain_ops, window_stats = split_update_ops(update_ops)
+        outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
+        with tf.compat.v1.name_scope(self._name) as scope:
+            state = self._create_window_state(pairs)
+            with tf.control_dependencies(plain_ops):
+                accumulate = _accumulate(state, pairs, weight, window_stats, small_batches)
+                with tf.control_dependencies([accumulate]):
+                    due = tf.greater_equal(state.micro_step.read_value(), self._k, name="window_full")
+                fused = tf.cond(due, lambda: self._finish_window(state, window_stats, global_step, outer_scope),
+                                tf.no_op, name="apply_if_due")
+                train_op = tf.group(fused, name=name or "train")
+            # The manual ops must not wait for the caller's control dependencies
+            # (typically UPDATE_OPS, which need a feed): rebuild the scope cleanly.
+            with tf.control_dependencies(None), tf.compat.v1.name_scope(scope):
+                apply_op = tf.group(self._finish_window(state, window_stats, global_step, outer_scope),
+                                    name="apply")
+                discard = [] if state.stats is None else [state.stats.discard()]
+                zero_op = tf.group(_reset(state, window_stats) + discard, name="zero")
+        slots = state.slots
+        return Window(train_op, accumulate, apply_op, zero_op, state.micro_step, state.weight_sum, state.skipped,
+                      [s.accum for s in slots], [s.touched for s in slots], [s.var for s in slots], state.stats)
+
+    def _create_window_state(self, pairs):
         # init_scope: outside surrounding control dependencies and control flow,
         # so initializers never wait for update ops or feeds.
         with tf.compat.v1.init_scope():
             slots = [self._create_slot(var, grad) for grad, var in pairs]
             first = min((var for _, var in pairs), key=lambda v: v.name)
-            sum_dtype = tf.float64 if any(s.accum.dtype.base_dtype == tf.float64 for s in slots) else tf.float32
-            micro_step = self._create_non_slot_variable(_zero(tf.int64), "micro_step", first)
-            weight_sum = self._create_non_slot_variable(_zero(sum_dtype), "weight_sum", first)
-            skipped = self._create_non_slot_variable(_zero(tf.int64), "skipped_windows", first)
-        return slots, micro_step, weight_sum, skipped
+            sum_dtype = _sum_dtype(pairs, self._accumulation_dtype)
+            micro_step = _state_variable("micro_step", [], tf.int64, first)
+            weight_sum = _state_variable("weight_sum", [], sum_dtype, first)
+            skipped = _state_variable("skipped_windows", [], tf.int64, first)
+            stats = _statistics.create(pairs, sum_dtype) if self._use_statistics else None
+        return _State(slots, micro_step, weight_sum, skipped, stats)
 
     def _create_slot(self, var, grad):
         shape = var.get_shape()
@@ -301,44 +477,113 @@ class GradientAccumulator(WrappingOptimizer):
             raise ValueError("variable %r needs a fully defined shape to be accumulated, got %s"
                              % (var.op.name, shape))
         dtype = _accumulator_dtype(var.dtype.base_dtype, self._accumulation_dtype)
-        zeros = tf.compat.v1.zeros_initializer()
-        accum = self._get_or_make_slot_with_initializer(var, zeros, shape, dtype, "accum", self._name)
-        touched = None
-        if isinstance(grad, tf.IndexedSlices):
-            touched = self._get_or_make_slot_with_initializer(
-                var, zeros, shape[:1], dtype, "touched", self._name + "_touched")
+        # Named from the root, as slots are: "<var>/<name>".
+        with tf.compat.v1.get_default_graph().name_scope(""):
+            accum = _state_variable(var.op.name + "/" + self._name, shape, dtype, var)
+            touched = None
+            if isinstance(grad, tf.IndexedSlices):
+                touched = _state_variable(var.op.name + "/" + self._name + "_touched", shape[:1], dtype, var)
         return _Slot(var, accum, touched)
 
-    def _finish_window(self, global_step, outer_scope):
+    def _finish_window(self, state, window_stats, global_step, outer_scope):
         """Applies the window (or skips it: zero weight, or not finite), then resets."""
-        window = self._window
-        usable = tf.greater(window.weight_sum.read_value(), 0, name="has_weight")
-        if self._skip_nonfinite:
-            finite = [tf.reduce_all(tf.math.is_finite(slot.accum.read_value())) for slot in window.slots]
-            usable = tf.logical_and(usable, tf.reduce_all(tf.stack(finite)), name="usable")
-        return tf.cond(usable, lambda: self._apply_and_reset(global_step, outer_scope),
-                       lambda: _skip_and_reset(window), name="apply_or_skip")
+        sums, rows = _window_sums(state)
+        total = state.weight_sum.read_value()
 
-    def _apply_and_reset(self, global_step, outer_scope):
-        window = self._window
-        grads_and_vars, rows = _averaged(window)
+        def done():
+            return [s.finalize() for s in window_stats] + _reset(state, [], rows)
+
+        return self._finish(sums, total, True, global_step, outer_scope, done,
+                            lambda: _reset(state, window_stats), state)
+
+    def _finish(self, sums, total, divide, global_step, outer_scope, done, skip, state):
+        """Applies ``sums / total`` (``sums`` when not ``divide``), or skips; returns an op.
+
+        ``done()`` gives the ops that run after the wrapped apply; ``skip()``
+        those of a skipped window. With a reducer, ``sums`` and ``total`` are
+        reduced first and every worker decides on the same values.
+        """
+        reducer = _reducer(self._optimizer)
+        if reducer is not None:
+            sums, total = reducer.reduce_window(sums, total)
+        usable = self._usable(sums, total)
+
+        def apply():
+            return self._apply(sums, total, divide, global_step, outer_scope, done, skip, state)
+
+        if usable is None:
+            return apply()
+        return tf.cond(usable, apply, lambda: _skip(skip(), state), name="apply_or_skip")
+
+    def _usable(self, sums, total):
+        checks = []
+        if total is not None:
+            checks.append(tf.greater(total, 0, name="has_weight"))
+        # A loss-scale optimizer must see a non-finite window itself, or its
+        # scale would never come down: _apply follows its decision instead.
+        if self._skip_nonfinite and not _skips_nonfinite(self._optimizer):
+            checks.append(_all_finite(sums))
+        if not checks:
+            return None
+        return checks[0] if len(checks) == 1 else tf.logical_and(checks[0], checks[1], name="usable")
+
+    def _apply(self, sums, total, divide, global_step, outer_scope, done, skip, state):
+        averaged = _divided(sums, total) if divide else _divided(sums, None)
+        stats = state.stats
+        # The wrapped loss-scale optimizer skips a non-finite window on its own;
+        # the same test, on the same tensors, keeps the statistics out of it too.
+        finite = _all_finite(averaged) if _skips_nonfinite(self._optimizer) else None
+        observed = []
+        if stats is not None:
+            def observe():
+                return stats.observe_big([g for g, _ in averaged], total)
+            observed = [observe() if finite is None
+                        else tf.cond(finite, observe, tf.no_op, name="observe_if_finite")]
         if self._clip_norm is not None:
-            grads, variables = zip(*grads_and_vars)
+            grads, variables = zip(*averaged)
             grads, _ = tf.clip_by_global_norm(list(grads), self._clip_norm, name="clip")
-            grads_and_vars = list(zip(grads, variables))
+            averaged = list(zip(grads, variables))
+        reducer = _reducer(self._optimizer)
         # The wrapped optimizer's non-slot variables (Adam's beta powers) are
         # named from the current scope: use the caller's, as plain training would.
-        with tf.compat.v1.get_default_graph().name_scope(outer_scope + "/" if outer_scope else ""):
-            applied = self._optimizer.apply_gradients(grads_and_vars, global_step=global_step)
+        graph = tf.compat.v1.get_default_graph()
+        with tf.control_dependencies(observed), graph.name_scope(outer_scope + "/" if outer_scope else ""):
+            if reducer is not None:
+                applied = reducer.apply_reduced(averaged, global_step=global_step)
+            else:
+                applied = self._optimizer.apply_gradients(averaged, global_step=global_step)
         with tf.control_dependencies([applied]):
-            return tf.group(_reset(window, rows), name="reset")
+            if finite is None:
+                return tf.group(*done(), name="reset")
+            return tf.cond(finite, lambda: tf.group(*done(), name="reset"), lambda: _skip(skip(), state),
+                           name="reset_or_skip")
 
 
 # ---------------------------------------------------------------- helpers
 
+_K1 = "with num_micro_batches=1 it keeps no window (no cache, no counter); run its train op"
+_MISSING = {
+    "skipped_windows": "nothing can skip a window here (k = 1 without `weight`, `skip_nonfinite`, "
+                       "a reducer or statistics)",
+    "statistics": "create it with GradientAccumulator(..., statistics=True)",
+}
 
-def _zero(dtype):
-    return tf.zeros([], dtype=dtype)
+
+def _check_graph_mode():
+    if tf.executing_eagerly():
+        raise RuntimeError(_EAGER_MESSAGE)
+
+
+def _reducer(optimizer):
+    """The wrapped optimizer when it reduces windows across workers (interface B), else None."""
+    return optimizer if callable(getattr(optimizer, "reduce_window", None)) else None
+
+
+def _state_variable(name, shape, dtype, colocate_with):
+    """A zero-initialised global, non-trainable resource variable next to ``colocate_with``."""
+    with tf.compat.v1.colocate_with(colocate_with):
+        return tf.compat.v1.Variable(lambda: tf.zeros(shape, dtype), dtype=dtype, trainable=False, name=name,
+                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES], use_resource=True)
 
 
 def _check_accumulation_dtype(dtype):
@@ -362,103 +607,178 @@ def _accumulator_dtype(var_dtype, minimum):
     return max(choices, key=lambda dtype: _FLOAT_WIDTH.get(dtype, 0))
 
 
-def _check_loss(loss):
-    if callable(loss) or not isinstance(loss, (tf.Tensor, tf.Variable)):
-        raise TypeError("`loss` must be a scalar tensor (graph mode), got %s" % _validate.describe(loss))
-    if loss.shape.ndims is not None and loss.shape.ndims != 0:
-        raise ValueError("`loss` must be a scalar tensor, got shape %s: reduce it with tf.reduce_mean"
-                         % (loss.shape,))
-    return loss
+def _sum_dtype(pairs, minimum):
+    """float64 when any cache is float64, else float32: the dtype of the weight sum."""
+    wide = any(_accumulator_dtype(v.dtype.base_dtype, minimum) == tf.float64 for _, v in pairs)
+    return tf.float64 if wide else tf.float32
 
 
 def _checked_pairs(grads_and_vars):
-    """Keeps the pairs with a gradient; raises when there is none."""
+    """Returns the pairs as given (gradients converted) and those with a gradient.
+
+    Raises what TF's ``apply_gradients`` raises, with TF's message first.
+    """
     try:
         pairs = [(grad, var) for grad, var in grads_and_vars]
     except (TypeError, ValueError):
         raise TypeError("`grads_and_vars` must be a list of (gradient, variable) pairs, got %s"
                         % _validate.describe(grads_and_vars)) from None
-    for _, var in pairs:
-        if not isinstance(var, tf.Variable):
-            raise TypeError("`grads_and_vars` must pair gradients with variables, got %s"
-                            % _validate.describe(var))
-    kept = [(grad, var) for grad, var in pairs if grad is not None]
+    if not pairs:
+        raise ValueError("No variables provided. `grads_and_vars` is empty, got %s"
+                         % _validate.describe(grads_and_vars))
+    converted = []
+    for grad, var in pairs:
+        if not isinstance(var, (tf.Variable, tf.Tensor)):
+            raise TypeError("`grads_and_vars` must pair gradients with variables, got %s" % _validate.describe(var))
+        if grad is not None:
+            try:
+                grad = tf.compat.v1.convert_to_tensor_or_indexed_slices(grad)
+            except (TypeError, ValueError):
+                raise TypeError("Gradient must be convertible to a Tensor or IndexedSlices, or None: "
+                                "`grads_and_vars` holds %s" % _validate.describe(grad)) from None
+        converted.append((grad, var))
+    kept = [(grad, var) for grad, var in converted if grad is not None]
     if not kept:
-        raise ValueError("`grads_and_vars` has no gradient for any variable: %s; check that the "
-                         "loss depends on them" % _validate.describe([v.op.name for _, v in pairs]))
-    return kept
+        raise ValueError("No gradients provided for any variable: `grads_and_vars` has no gradient for any "
+                         "variable: %s; check that the loss depends on them"
+                         % _validate.describe([v.op.name for _, v in converted]))
+    for _, var in kept:
+        if isinstance(var, tf.Tensor):
+            # TF's exception, with TF's (tuple) arguments first.
+            raise NotImplementedError("Trying to update a Tensor ", var, "only variables can be trained")
+    return converted, kept
 
 
-def _accumulate(window, pairs, weight):
+def _accumulate(state, pairs, weight, window_stats, small_batches):
     """Adds one micro-batch: gradients times weight, the weight, then the count."""
     with tf.compat.v1.name_scope("accumulate"):
         adds = []
-        for (grad, _), slot in zip(pairs, window.slots):
+        for (grad, _), slot in zip(pairs, state.slots):
             adds.extend(_add_gradient(slot, grad, weight))
-        added = 1.0 if weight is None else tf.cast(weight, window.weight_sum.dtype.base_dtype)
-        adds.append(window.weight_sum.assign_add(added))
+        added = 1.0 if weight is None else tf.cast(weight, state.weight_sum.dtype.base_dtype)
+        # A constant weight depends on no input: without this, a run that fails
+        # at its input (OutOfRangeError at the end of a tf.data loop) would
+        # still count one micro-batch.
+        with tf.control_dependencies(list(adds)):
+            adds.append(state.weight_sum.assign_add(added))
+        adds.extend(stats.accumulate() for stats in window_stats)
+        if state.stats is not None:
+            adds.append(state.stats.observe_small([g for g, _ in pairs], weight, small_batches=small_batches))
         with tf.control_dependencies(adds):
             # The counter moves last, so reading it orders after every addition.
-            return tf.group(window.micro_step.assign_add(1), name="accumulate")
+            return tf.group(state.micro_step.assign_add(1), name="accumulate")
 
 
 def _add_gradient(slot, grad, weight):
+    """One pass per dense gradient: ``cache += weight * grad`` in one kernel."""
     dtype = slot.accum.dtype.base_dtype
     if isinstance(grad, tf.IndexedSlices):
-        values = _weighted(grad.values, weight, dtype)
+        values = _weighted(tf.cast(grad.values, dtype), weight)
         ones = tf.ones_like(grad.indices, dtype=dtype)
         return [tf.compat.v1.scatter_add(slot.accum, grad.indices, values),
                 tf.compat.v1.scatter_update(slot.touched, grad.indices, ones)]
-    return [slot.accum.assign_add(_weighted(grad, weight, dtype))]
+    grad = tf.cast(grad, dtype)
+    if weight is None:
+        return [slot.accum.assign_add(grad, read_value=False)]
+    # ResourceApplyGradientDescent computes var -= alpha * delta in one pass;
+    # with alpha = -weight that is the weighted add, with no product in memory.
+    alpha = tf.negative(tf.cast(weight, dtype))
+    return [tf.raw_ops.ResourceApplyGradientDescent(var=slot.accum.handle, alpha=alpha, delta=grad,
+                                                    use_locking=False)]
 
 
-def _weighted(values, weight, dtype):
-    values = tf.cast(values, dtype)
-    return values if weight is None else values * tf.cast(weight, dtype)
+def _weighted(values, weight):
+    """``values * weight`` (``IndexedSlices`` stay sparse); ``values`` when ``weight`` is None."""
+    if weight is None:
+        return values
+    if isinstance(values, tf.IndexedSlices):
+        return tf.IndexedSlices(_weighted(values.values, weight), values.indices, values.dense_shape)
+    return values * tf.cast(weight, values.dtype.base_dtype)
 
 
-def _averaged(window):
-    """Reads ``accum / weight_sum`` per variable; sparse accumulators become IndexedSlices."""
-    grads_and_vars, rows = [], []
-    for slot in window.slots:
-        var_dtype = slot.var.dtype.base_dtype
-        total = tf.cast(window.weight_sum.read_value(), slot.accum.dtype.base_dtype)
+def _window_sums(state):
+    """The caches as ``(sum, variable)`` pairs (sparse ones as ``IndexedSlices``) and their rows."""
+    sums, rows = [], []
+    for slot in state.slots:
         if slot.touched is None:
-            grad = tf.cast(slot.accum.read_value() / total, var_dtype)
+            sums.append((slot.accum.read_value(), slot.var))
             rows.append(None)
-        else:
-            index = _touched_rows(slot)
-            values = tf.cast(tf.gather(slot.accum, index) / total, var_dtype)
-            grad = tf.IndexedSlices(values, index, dense_shape=tf.shape(slot.var, out_type=tf.int64))
-            rows.append(index)
-        grads_and_vars.append((grad, slot.var))
-    return grads_and_vars, rows
+            continue
+        index = _touched_rows(slot)
+        shape = tf.shape(slot.var, out_type=tf.int64)
+        sums.append((tf.IndexedSlices(tf.gather(slot.accum, index), index, dense_shape=shape), slot.var))
+        rows.append(index)
+    return sums, rows
+
+
+def _divided(sums, total):
+    """``sum / total`` in each variable's dtype (``total`` None: just the cast); the one pass at window end."""
+    averaged = []
+    for grad, var in sums:
+        dtype = var.dtype.base_dtype
+        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+        if total is not None:
+            values = values / tf.cast(total, values.dtype.base_dtype)
+        values = tf.cast(values, dtype)
+        if isinstance(grad, tf.IndexedSlices):
+            values = tf.IndexedSlices(values, grad.indices, dense_shape=grad.dense_shape)
+        averaged.append((values, var))
+    return averaged
 
 
 def _touched_rows(slot):
     return tf.reshape(tf.where(slot.touched.read_value() > 0), [-1])
 
 
-def _reset(window, rows=None):
-    """Zeroes the accumulators (only touched rows of sparse ones) and the counters."""
-    rows = rows or [None] * len(window.slots)
-    ops = [window.micro_step.assign(0), window.weight_sum.assign(0)]
-    for slot, index in zip(window.slots, rows):
+def _reset(state, window_stats, rows=None):
+    """Zeroes the caches (only touched rows of sparse ones), the counters and the window statistics.
+
+    A dense cache is overwritten with a fresh fill of zeros, which the
+    resource variable adopts: the cache is written once and never read.
+    """
+    rows = rows or [None] * len(state.slots)
+    ops = [state.micro_step.assign(0, read_value=False), state.weight_sum.assign(0, read_value=False)]
+    ops.extend(stats.reset() for stats in window_stats)
+    for slot, index in zip(state.slots, rows):
         if slot.touched is None:
-            ops.append(slot.accum.assign(tf.zeros(slot.accum.shape, slot.accum.dtype.base_dtype)))
+            ops.append(slot.accum.assign(tf.zeros(slot.accum.shape, slot.accum.dtype.base_dtype),
+                                         read_value=False))
             continue
         index = _touched_rows(slot) if index is None else index
         with tf.control_dependencies([index]):
             shape = tf.concat([tf.shape(index), tf.shape(slot.accum)[1:]], 0)
             ops.append(tf.compat.v1.scatter_update(
                 slot.accum, index, tf.zeros(shape, slot.accum.dtype.base_dtype)))
-            ops.append(slot.touched.assign(tf.zeros(slot.touched.shape, slot.touched.dtype.base_dtype)))
+            ops.append(slot.touched.assign(tf.zeros(slot.touched.shape, slot.touched.dtype.base_dtype),
+                                           read_value=False))
     return ops
 
 
-def _skip_and_reset(window):
-    with tf.control_dependencies(_reset(window)):
-        return tf.group(window.skipped.assign_add(1), name="skip")
+def _skip(resets, state):
+    ops = list(resets) + ([] if state.stats is None else [state.stats.discard()])
+    if state.skipped is None:
+        return tf.group(*ops, name="skip")
+    with tf.control_dependencies(ops):
+        return tf.group(state.skipped.assign_add(1), name="skip")
+
+
+def _skips_nonfinite(optimizer):
+    """Whether ``optimizer``, or one it wraps, is TF's loss-scale optimizer.
+
+    Such an optimizer skips an update whose gradients are not all finite
+    (and lowers its loss scale); its class names differ between TF 1.15's
+    ``tf.train.experimental``, contrib and ``tf.compat.v1.mixed_precision``.
+    """
+    while optimizer is not None:
+        if any(cls.__name__.endswith("LossScaleOptimizer") for cls in type(optimizer).__mro__):
+            return True
+        optimizer = getattr(optimizer, "_optimizer", None)
+    return False
+
+
+def _all_finite(grads_and_vars):
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in grads_and_vars]
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]), name="all_finite")
 
 
 def _reset_collection(graph, key, values):

@@ -1,27 +1,31 @@
-"""Synchronous training across processes and hosts on TensorFlow's gRPC runtime.
+"""The cluster a multi-process job runs on: ``TF_CONFIG``, servers, liveness.
 
 Every process of a job reads the standard ``TF_CONFIG`` JSON, for example::
 
     {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": ["10.0.0.1:2223"]},
      "task": {"type": "worker", "index": 0}}
 
-and starts its own ``tf.compat.v1.train.Server``. The chief (the ``chief`` task
-when the cluster has one, else ``worker`` 0) builds ONE graph that spans all
-processes (in-graph replication): one tower per compute task from
-:func:`worker_devices`, the variables on :func:`variables_device`, the towers'
-gradients averaged in that graph, so every update is synchronous and equals
-the full-batch update. The other tasks only serve the graph pieces the chief's
-session places on them, in :func:`serve`, until the chief sends them the stop
-signal (:class:`StopSignal`) or their chief disappears.
+and starts its own ``tf.compat.v1.train.Server`` (:func:`start_server`). Two
+engines then train on that cluster, each in its own module; their public names
+are re-exported here, where users look for them:
 
-:class:`AllReduceOnApply` is for the other engine, Horovod: wrapped inside a
-``GradientAccumulator`` it all-reduces the averaged gradients once per applied
-update instead of once per micro-batch.
+* :mod:`gradaccum.collective`: between-graph training on TensorFlow's
+  collective ops. Every worker builds the same graph, reads its own data and
+  all-reduces once per applied update (:class:`CollectiveAllReduce`,
+  :func:`broadcast_variables`, :func:`collective_session_config`), and
+  :class:`AllReduceOnApply` for Horovod's all-reduce.
+* :mod:`gradaccum.ingraph`: in-graph replication. The chief builds one graph
+  with a tower per task (:func:`worker_devices`, :func:`variables_device`,
+  :func:`session_config`); the other tasks :func:`serve` until the chief's
+  :class:`StopSignal`.
 
-This module creates no variables and adds nothing to graph collections.
-:class:`StopSignal` and :func:`serve` create one FIFO queue per non-chief task,
-shared under the name ``gradaccum_stop_<job>_<index>`` in that task's resource
-manager.
+:class:`Heartbeat` bounds the wait for a peer that died or stopped answering
+(SIGKILL, SIGSTOP, a lost host), for both engines: a session blocked in an
+all-reduce or a remote step cannot be interrupted from Python, so a peer
+silent for ``timeout_seconds`` ends this process with one line.
+
+This module creates no variables and adds nothing to graph collections; a
+:class:`Heartbeat` builds its probe ops in graphs of its own.
 """
 import collections
 import errno
@@ -29,15 +33,17 @@ import json
 import os
 import re
 import socket
+import sys
+import threading
 import time
 
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum._wrapper import WrappingOptimizer
 
 TF_CONFIG_VAR = "TF_CONFIG"
 TASK_TYPES = ("chief", "worker", "ps")
-_DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
+HEARTBEAT_EXIT_STATUS = 75
+DEFAULT_HEARTBEAT_SECONDS = 30.0
 
 
 class ClusterError(RuntimeError):
@@ -217,94 +223,6 @@ def make_tf_config(cluster, task_type, task_index):
     return text
 
 
-def _device_names(config, device):
-    if isinstance(device, str):
-        device = [device] * config.num_towers
-    if not isinstance(device, (list, tuple)) or len(device) != config.num_towers:
-        raise ValueError("`device` must be a device string or a list of %d (one per compute task), got %s"
-                         % (config.num_towers, _validate.describe(device)))
-    names = []
-    for item in device:
-        match = _DEVICE_RE.match(item) if isinstance(item, str) else None
-        if match is None:
-            raise ValueError("`device` entries must look like \"cpu:0\" or \"gpu:1\", got %s" % _validate.describe(item))
-        names.append("%s:%s" % (match.group(1).lower(), match.group(2)))
-    return names
-
-
-def worker_devices(config, device="cpu:0"):
-    """Device strings for ``tower.minimize``: one tower per compute task.
-
-    Args:
-      config: a :class:`ClusterConfig`.
-      device: the local device each task computes its tower on, e.g.
-        ``"cpu:0"`` or ``"gpu:0"``, or a list with one entry per compute task
-        (chief first, then the workers in index order).
-
-    Returns:
-      A list such as ``["/job:worker/task:0/cpu:0", "/job:worker/task:1/cpu:0"]``.
-
-    Raises:
-      ValueError: when ``device`` is malformed or its length is wrong.
-
-    Example:
-      >>> worker_devices(config, "gpu:0")
-      ['/job:worker/task:0/gpu:0', '/job:worker/task:1/gpu:0']
-    """
-    names = _device_names(config, device)
-    return ["/job:%s/task:%d/%s" % (job, i, name) for (job, i), name in zip(config.compute_tasks, names)]
-
-
-def variables_device(config, ps_task=0):
-    """Where the shared variables live: a ps task, else the chief's CPU.
-
-    Args:
-      config: a :class:`ClusterConfig`.
-      ps_task: which ps task holds the variables when the cluster has ps tasks.
-
-    Returns:
-      ``"/job:ps/task:<ps_task>"``, or ``"/job:<chief>/task:0/cpu:0"`` without ps.
-
-    Raises:
-      ValueError: when ``ps_task`` is not a ps task of the cluster.
-
-    Example:
-      >>> variables_device(config)
-      '/job:ps/task:0'
-    """
-    num_ps = len(config.cluster.get("ps", ()))
-    if not num_ps:
-        return "/job:%s/task:%d/cpu:0" % config.chief
-    if not isinstance(ps_task, int) or isinstance(ps_task, bool) or not 0 <= ps_task < num_ps:
-        raise ValueError("`ps_task` must be an int in 0..%d, got %s" % (num_ps - 1, _validate.describe(ps_task)))
-    return "/job:ps/task:%d" % ps_task
-
-
-def session_config(config, base=None):
-    """A ``ConfigProto`` for a session on this task's server.
-
-    The chief's session sees every task. A non-chief task's own session sees
-    only itself, so that it does not wait for the other tasks to come up.
-
-    Args:
-      config: a :class:`ClusterConfig`.
-      base: a ``tf.compat.v1.ConfigProto`` to start from (copied), or None.
-
-    Returns:
-      A new ``tf.compat.v1.ConfigProto``.
-
-    Example:
-      >>> sess = tf.compat.v1.Session(server.target, config=session_config(config))
-    """
-    proto = tf.compat.v1.ConfigProto()
-    if base is not None:
-        proto.CopyFrom(base)
-    if not config.is_chief:
-        del proto.device_filters[:]
-        proto.device_filters.append("/job:%s/task:%d" % (config.task_type, config.task_index))
-    return proto
-
-
 def _port(address):
     return int(address.rpartition(":")[2])
 
@@ -405,169 +323,224 @@ def wait_for_tasks(config, timeout_seconds=300.0, poll_seconds=0.5):
         time.sleep(poll_seconds)
 
 
-def _stop_queue(job, index):
-    with tf.device("/job:%s/task:%d" % (job, index)):
-        return tf.queue.FIFOQueue(1, tf.int32, shared_name="gradaccum_stop_%s_%d" % (job, index),
-                                  name="stop_queue_%s_%d" % (job, index))
-
-
-def _non_chief_tasks(config):
-    return [(job, i) for job in sorted(config.cluster) for i in range(len(config.cluster[job]))
-            if (job, i) != config.chief]
-
-
-class StopSignal(object):
-    """The chief's way to tell every other task that training is over.
-
-    Build it in the chief's graph before the graph is finalized, and
-    :meth:`send` it after training; :func:`serve` then returns in each task.
+def check_seconds(value, arg):
+    """Checks a duration: a finite number > 0, returned as a float.
 
     Args:
-      config: a :class:`ClusterConfig`.
-      name: name scope of the enqueue ops.
+      value: the value to check.
+      arg: the argument's name, for the message.
+
+    Returns:
+      ``value`` as a float.
+
+    Raises:
+      TypeError: for None, a bool or a non-number.
+      ValueError: for a number <= 0, NaN or infinity.
 
     Example:
-      >>> stop = StopSignal(config)
-      >>> with tf.compat.v1.Session(server.target) as sess:
-      ...     train(sess)
-      ...     stop.send(sess)
+      >>> check_seconds(60, "timeout_seconds")
+      60.0
     """
-
-    def __init__(self, config, name="stop_tasks"):
-        self._tasks = _non_chief_tasks(config)
-        with tf.compat.v1.name_scope(name):
-            self._ops = [_stop_queue(job, i).enqueue(1) for job, i in self._tasks]
-
-    def send(self, session, timeout_seconds=10.0):
-        """Signals every non-chief task; a task that is gone is skipped.
-
-        Args:
-          session: a session on the chief's server.
-          timeout_seconds: how long to try each task.
-
-        Returns:
-          The ``"job:index"`` names of the tasks that could not be signalled.
-
-        Example:
-          >>> missed = stop.send(sess)
-        """
-        options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_seconds * 1000))
-        missed = []
-        for (job, i), op in zip(self._tasks, self._ops):
-            try:
-                session.run(op, options=options)
-            except tf.errors.OpError:
-                missed.append("%s:%d" % (job, i))
-        return missed
+    if value is None:
+        raise TypeError("`%s` must be a number of seconds > 0, got None" % arg)
+    return _validate.check_positive_number(value, arg)
 
 
-def _watch_chief(config, chief_seen, deadline):
-    """Returns the new ``chief_seen``; raises when the chief is gone or late."""
-    address = config.cluster[config.chief[0]][config.chief[1]]
-    if _reachable(address):
-        return True
-    chief_name = "%s:%d" % config.chief
-    if chief_seen:
-        raise ClusterError("%s: chief %s at %s went away without sending the stop signal"
-                           % (config.task_name, chief_name, address))
-    if time.time() >= deadline:
-        raise ClusterError("%s: chief %s at %s did not come up within the startup timeout"
-                           % (config.task_name, chief_name, address))
-    return False
+_NOT_THE_CAUSE = ("Graph execution error", "Additional GRPC error information", ":UNKNOWN:", "[[",
+                  "The error could be from", "Original stack trace", "Errors may have originated",
+                  "0 successful operations", "0 derived errors", "From /job:")
 
 
-def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0):
-    """Serves this non-chief task until the chief's :class:`StopSignal` arrives.
+def describe_op_error(error):
+    """One line for a ``tf.errors.OpError`` of a multi-process run: its class, cause and tasks.
 
-    While it waits it checks every ``poll_seconds`` that the chief's server
-    still accepts connections, so a task never outlives a crashed chief.
+    TensorFlow's message runs over many lines (where the op was defined, gRPC
+    details); this keeps the first line that says what happened and the
+    tasks the message names.
+
+    Args:
+      error: a ``tf.errors.OpError`` (or any exception).
+
+    Returns:
+      A one-line string such as ``"UnavailableError: recvmsg:Connection reset
+      by peer (tasks named: worker:1)"``.
+
+    Example:
+      >>> try:
+      ...     sess.run(train_op)
+      ... except tf.errors.OpError as exc:
+      ...     sys.exit("training failed: " + cluster.describe_op_error(exc))
+    """
+    message = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in message.splitlines()]
+    start = 0
+    if any(line.startswith("Detected at node") for line in lines):  # Skip the op's Python traceback.
+        start = 1 + max([i for i, line in enumerate(lines) if line.startswith(("File \"", "Detected at node"))])
+    cause = next((line for line in lines[start:] if line and not line.startswith(_NOT_THE_CAUSE)),
+                 next((line for line in lines if line), ""))
+    tasks = sorted(set("%s:%s" % found for found in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message)))
+    return "%s: %s%s" % (type(error).__name__, cause[:300], " (tasks named: %s)" % ", ".join(tasks) if tasks else "")
+
+
+def _task_address(config, task):
+    return config.cluster[task[0]][task[1]]
+
+
+def _exit_with_message(message):
+    """The default failure action: one line on stderr, then exit at once.
+
+    The main thread may be blocked inside ``session.run`` (an all-reduce, a
+    remote step), which neither a Python exception nor ``Session.close`` can
+    interrupt (both tried on TF 1.15 and 2.21): only leaving the process does.
+    """
+    sys.stderr.write("gradaccum: %s\n" % message)
+    sys.stderr.flush()
+    os._exit(HEARTBEAT_EXIT_STATUS)
+
+
+class Heartbeat(object):
+    """Fails this process within a bound when a peer task stops answering.
+
+    One thread per peer runs a tiny op (``tf.timestamp``) on that peer every
+    ``interval_seconds``, in a session of its own on this task's server; a
+    checker thread calls ``on_failure`` with one line when a peer has not
+    answered for ``timeout_seconds`` (a killed peer, a stopped one, a lost
+    host). Its last answer came before it went silent, so this process ends
+    at most ``timeout_seconds + 1`` s after the peer stopped (31 s by
+    default), even inside an all-reduce. A slow peer that still answers is
+    not a failure. Before a peer's first answer, it has
+    ``startup_timeout_seconds`` to come up.
 
     Args:
       server: this task's server from :func:`start_server`.
-      config: a :class:`ClusterConfig` of a non-chief task.
-      poll_seconds: interval of the stop-signal and chief checks.
-      startup_timeout_seconds: how long the chief may take to come up.
+      config: a :class:`ClusterConfig`.
+      peers: ``(job, index)`` pairs to watch; default every other task.
+      timeout_seconds: how long a peer may stay silent, a number > 0
+        (default 30).
+      interval_seconds: pause between probes; default ``timeout_seconds / 6``
+        clipped to [0.5, 10].
+      startup_timeout_seconds: how long a peer may take to answer first.
+      on_failure: called once with the message; default: print
+        ``gradaccum: <message>`` on stderr and ``os._exit(75)``.
+
+    Attributes:
+      started: ``time.time()`` of :meth:`start`, or None before it.
+      failure: None, or the one-line message passed to ``on_failure``.
 
     Raises:
-      ValueError: when ``config`` is the chief's.
-      ClusterError: one line when the chief went away without the stop signal
-        or never came up.
+      TypeError: for a timeout that is not a number.
+      ValueError: for a bad timeout or a peer that is not a task of the cluster.
 
     Example:
-      >>> if not config.is_chief:
-      ...     serve(start_server(config), config)
-    """
-    if config.is_chief:
-        raise ValueError("`config` must be a non-chief task's, got the chief %s" % config.task_name)
-    deadline = time.time() + startup_timeout_seconds
-    options = tf.compat.v1.RunOptions(timeout_in_ms=int(poll_seconds * 1000))
-    with tf.Graph().as_default():
-        dequeue = _stop_queue(config.task_type, config.task_index).dequeue()
-        with tf.compat.v1.Session(server.target, config=session_config(config)) as sess:
-            chief_seen = False
-            while True:
-                try:
-                    sess.run(dequeue, options=options)
-                    return
-                except tf.errors.DeadlineExceededError:
-                    chief_seen = _watch_chief(config, chief_seen, deadline)
-
-
-class AllReduceOnApply(WrappingOptimizer):
-    """Reduces gradients across processes when, and only when, they are applied.
-
-    Put it INSIDE a ``GradientAccumulator``: the accumulator adds local
-    micro-batch gradients without communication and hands their average to
-    this optimizer's ``apply_gradients`` once per window, which all-reduces it
-    and applies it. ``hvd.DistributedOptimizer`` instead reduces in
-    ``compute_gradients``, i.e. on every micro-batch. Every process must run
-    the same number of micro-batches, so that all reach the reduce together.
-
-    Args:
-      optimizer: the ``tf.compat.v1.train.Optimizer`` that applies the reduced
-        gradients.
-      all_reduce: callable taking one gradient (a tensor or ``IndexedSlices``)
-        and returning its reduction across processes, for example
-        ``lambda g: hvd.allreduce(g, op=hvd.Average)``.
-      name: name scope of the reduce ops.
-
-    Raises:
-      TypeError: when ``optimizer`` is not a v1 optimizer or ``all_reduce`` is
-        not callable.
-      ValueError: when ``name`` is not a non-empty string.
-
-    Example:
-      >>> import horovod.tensorflow as hvd
-      >>> hvd.init()
-      >>> opt = gradaccum.GradientAccumulator(
-      ...     AllReduceOnApply(tf.compat.v1.train.AdamOptimizer(1e-3 * hvd.size()),
-      ...                      lambda g: hvd.allreduce(g, op=hvd.Average)),
-      ...     num_micro_batches=4)
-      >>> train_op = opt.minimize(loss, global_step=global_step, weight=tf.shape(x)[0])
+      >>> with cluster.Heartbeat(server, config, timeout_seconds=30):
+      ...     train(sess)
     """
 
-    def __init__(self, optimizer, all_reduce, name="AllReduceOnApply"):
-        super(AllReduceOnApply, self).__init__(optimizer, name)  # Checks `optimizer` and `name`.
-        if not callable(all_reduce):
-            raise TypeError("`all_reduce` must be callable (gradient -> reduced gradient), got %s"
-                            % _validate.describe(all_reduce))
-        self._all_reduce = all_reduce
+    def __init__(self, server, config, peers=None, timeout_seconds=DEFAULT_HEARTBEAT_SECONDS, interval_seconds=None,
+                 startup_timeout_seconds=300.0, on_failure=None):
+        self._timeout = check_seconds(timeout_seconds, "timeout_seconds")
+        self._startup = check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
+        interval = min(max(self._timeout / 6.0, 0.5), 10.0) if interval_seconds is None else interval_seconds
+        self._interval = check_seconds(interval, "interval_seconds")
+        everyone = [(job, i) for job in sorted(config.cluster) for i in range(len(config.cluster[job]))]
+        me = (config.task_type, config.task_index)
+        self._peers = [t for t in everyone if t != me] if peers is None else [tuple(p) for p in peers]
+        for peer in self._peers:
+            if peer not in everyone or peer == me:
+                raise ValueError("`peers` must name other tasks of the cluster as (job, index), got %s"
+                                 % _validate.describe(peer))
+        self._server, self._config = server, config
+        self._on_failure = _exit_with_message if on_failure is None else on_failure
+        self._answered = {}
+        self._errors = {}
+        self._stop = threading.Event()
+        self._threads = []
+        self.failure = None
+        self.started = None
 
-    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        """All-reduces each gradient, then applies through the wrapped optimizer.
+    def start(self):
+        """Starts the probe and checker threads (daemons); sets ``started``; returns ``self``."""
+        self.started = time.time()
+        targets = [(self._probe, (peer,)) for peer in self._peers] + [(self._check, ())]
+        for target, args in targets:
+            thread = threading.Thread(target=target, args=args, name="gradaccum-heartbeat")
+            thread.daemon = True
+            thread.start()
+            self._threads.append(thread)
+        return self
 
-        Args:
-          grads_and_vars: list of ``(gradient, variable)``; ``None`` gradients
-            are passed on unreduced.
-          global_step: optional variable, incremented by the wrapped optimizer.
-          name: optional name of the returned op.
+    def stop(self, wait_seconds=5.0):
+        """Stops watching; waits up to ``wait_seconds`` for the threads to end.
 
-        Returns:
-          The wrapped optimizer's apply op.
-
-        Example:
-          >>> train_op = opt.apply_gradients(grads_and_vars, global_step)
+        Threads still inside TensorFlow when the interpreter exits abort it
+        (``FATAL: exception not rethrown``), so a normal end waits for them; a
+        probe stuck on a silent peer is abandoned after ``wait_seconds``.
         """
-        with tf.compat.v1.name_scope(self._name):
-            reduced = [(None if grad is None else self._all_reduce(grad), var) for grad, var in grads_and_vars]
-        return self._optimizer.apply_gradients(reduced, global_step=global_step, name=name)
+        self._stop.set()
+        deadline = time.time() + wait_seconds
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.time()))
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info):
+        self.stop()
+
+    def _probe(self, peer):
+        job, index = peer
+        proto = tf.compat.v1.ConfigProto(device_filters=[
+            "/job:%s/task:%d" % (self._config.task_type, self._config.task_index), "/job:%s/task:%d" % peer])
+        options = tf.compat.v1.RunOptions(timeout_in_ms=int(self._timeout * 1000))
+        with tf.Graph().as_default() as graph:
+            with tf.device("/job:%s/replica:0/task:%d/cpu:0" % (job, index)):
+                stamp = tf.timestamp()  # Stateful: never folded away, so it runs on the peer.
+        session = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    session = session or tf.compat.v1.Session(self._server.target, graph=graph, config=proto)
+                    session.run(stamp, options=options)
+                    self._answered[peer] = time.time()
+                except tf.errors.OpError as exc:
+                    self._errors[peer] = "%s: %s" % (type(exc).__name__, exc.message.splitlines()[0][:160])
+                self._stop.wait(self._interval)
+        finally:
+            if session is not None:
+                session.close()
+
+    def _silent_peer(self, now):
+        for peer in self._peers:
+            last = self._answered.get(peer)
+            if last is None and now - self.started > self._startup:
+                return peer, "did not answer within the startup timeout of %g s" % self._startup
+            if last is not None and now - last > self._timeout:
+                return peer, "has not answered for %.0f s (heartbeat timeout %g s)" % (now - last, self._timeout)
+        return None, None
+
+    def _check(self):
+        while not self._stop.wait(min(self._interval, 1.0)):
+            peer, what = self._silent_peer(time.time())
+            if peer is not None:
+                error = self._errors.get(peer)
+                self.failure = "%s: %s:%d at %s %s%s; stopping" % (
+                    self._config.task_name, peer[0], peer[1], _task_address(self._config, peer), what,
+                    " (last error: %s)" % error if error else "")
+                self._stop.set()
+                self._on_failure(self.failure)
+                return
+
+
+# The engines' names, where users look for them. Imported last: both modules
+# import this one.
+from gradaccum.collective import AllReduceOnApply  # noqa: E402,F401
+from gradaccum.collective import CollectiveAllReduce  # noqa: E402,F401
+from gradaccum.collective import broadcast_variables  # noqa: E402,F401
+from gradaccum.collective import collective_session_config  # noqa: E402,F401
+from gradaccum.collective import synchronized_batch_norm  # noqa: E402,F401
+from gradaccum.ingraph import StopSignal  # noqa: E402,F401
+from gradaccum.ingraph import serve  # noqa: E402,F401
+from gradaccum.ingraph import session_config  # noqa: E402,F401
+from gradaccum.ingraph import variables_device  # noqa: E402,F401
+from gradaccum.ingraph import worker_devices  # noqa: E402,F401

@@ -2,14 +2,19 @@
 
 Usage::
 
-    python -m gradaccum.launch --workers P [--ps N] -- python script.py args
+    python -m gradaccum.launch --workers P [--ps N] [--verbose] -- python script.py args
 
 starts ``P`` worker processes (``worker:0`` is the chief) and ``N`` ps
 processes of the same command, each with its own ``TF_CONFIG`` on free
-loopback ports, and prefixes every line they print with ``[worker:1]``. It
-exits with the chief's exit status. When any task dies with a non-zero status
-it names that task and its status in one line and stops the others (SIGTERM,
-then SIGKILL after ``--grace`` seconds). Each task runs in its own process
+loopback ports, and prefixes every line they print with ``[worker:1]``. The
+collective engine needs no ps task (``--ps 0``, the default). TensorFlow's
+log noise (C++ log lines, the absl notice, ``WARNING:tensorflow`` deprecation
+blocks, ``tf.compat.v1.layers`` deprecation warnings) is left out of that
+output unless ``--verbose`` (which also leaves ``TF_CPP_MIN_LOG_LEVEL``
+alone; otherwise the tasks get ``2`` unless it is set). It exits with the
+chief's exit status. When any task dies with a non-zero status it names that
+task and its status in one line and stops the others (SIGTERM, then SIGKILL
+after ``--grace`` seconds). Each task runs in its own process
 group, which is killed on every way out (normal exit, signal, exception, and
 via ``atexit``), and the launcher returns only once every process of those
 groups has ended (a task's own children included); on Linux a task also gets
@@ -22,6 +27,7 @@ import atexit
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +36,17 @@ import threading
 import time
 
 _PREFIX = "gradaccum.launch: "
+_USAGE = "python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] [--shutdown-timeout S] " \
+         "[--verbose] -- COMMAND [ARG ...]"
+# TensorFlow's log noise: C++ log lines (absl and TF 1.15 formats; fatal ones are
+# kept), the absl notice, Python-side TF and absl warnings, deprecation warnings.
+_NOISE = re.compile(
+    rb"^(?:[IWE]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] "
+    rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] \S+:\d+\] "
+    rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
+    rb"|To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags"
+    rb"|WARNING:(?:tensorflow|absl):"
+    rb"|\S+\.py:\d+: (?:User|Deprecation|Future)Warning: .*deprecat)", re.IGNORECASE)
 _POLL_SECONDS = 0.1
 _PR_SET_PDEATHSIG = 1
 
@@ -156,7 +173,40 @@ def shell_status(returncode):
     return 128 - returncode if returncode < 0 else min(returncode, 255)
 
 
-def copy_prefixed(source, sink, prefix, lock):
+class NoiseFilter(object):
+    """Tells which lines of one task's output are TensorFlow's log noise.
+
+    A noise line starts a block: a ``WARNING:tensorflow`` deprecation's
+    ``Instructions for updating:`` line and the line after it, the source line
+    Python's ``warnings`` prints after a deprecation warning, and blank lines
+    right after noise belong to it.
+
+    Example:
+      >>> keep = NoiseFilter()
+      >>> keep(b"W0000 00:00:1.0  7 port.cc:1] oneDNN custom operations are on\n")
+      False
+    """
+
+    def __init__(self):
+        self._after = b""  # What the previous line was: b"", b"noise", b"instructions".
+
+    def __call__(self, line):
+        """Returns True when ``line`` (bytes, with or without newline) is to be printed."""
+        text = line.rstrip(b"\r\n")
+        after, self._after = self._after, b""
+        if _NOISE.match(text):
+            self._after = b"warning" if b"Warning: " in text else b"noise"
+            return False
+        if after == b"instructions" or (after == b"warning" and text.startswith(b"  ")):
+            self._after = b"noise"
+            return False
+        if after in (b"noise", b"warning") and (text == b"Instructions for updating:" or not text.strip()):
+            self._after = b"instructions" if text else b"noise"
+            return False
+        return True
+
+
+def copy_prefixed(source, sink, prefix, lock, keep=None):
     """Copies ``source`` to ``sink`` line by line, each line after ``prefix``.
 
     A last line without a newline gets one, so prefixes always start a line.
@@ -168,12 +218,16 @@ def copy_prefixed(source, sink, prefix, lock):
       sink: a binary stream to write to; flushed after each line.
       prefix: bytes put before every line, e.g. ``b"[worker:1] "``.
       lock: a ``threading.Lock`` shared by all writers of ``sink``.
+      keep: None (every line), or a callable ``line -> bool`` such as a
+        :class:`NoiseFilter`.
 
     Example:
       >>> copy_prefixed(process.stdout, sys.stdout.buffer, b"[worker:1] ", lock)
     """
     writing = True
     for line in iter(source.readline, b""):
+        if keep is not None and not keep(line):
+            continue
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
@@ -249,9 +303,10 @@ class _Task(object):
             start_new_session=True, preexec_fn=_die_with_parent if _PRCTL is not None else None)
         self.pump = None
 
-    def start_pump(self, sink, lock):
+    def start_pump(self, sink, lock, quiet=True):
+        keep = NoiseFilter() if quiet else None
         self.pump = threading.Thread(target=copy_prefixed, name="pump-" + self.name,
-                                     args=(self.process.stdout, sink, ("[%s] " % self.name).encode(), lock))
+                                     args=(self.process.stdout, sink, ("[%s] " % self.name).encode(), lock, keep))
         self.pump.daemon = True
         self.pump.start()
 
@@ -282,14 +337,17 @@ class Launcher(object):
       shutdown_seconds: how long the other tasks may run after the chief ended.
       stdout: binary stream for the tasks' prefixed output.
       stderr: text stream for the launcher's own one-line messages.
+      verbose: when False, TensorFlow's log noise is left out of the tasks'
+        output and ``TF_CPP_MIN_LOG_LEVEL`` defaults to 2 in their environment.
 
     Example:
       >>> status = Launcher(["python", "train.py"], workers=2, ps=0).run()
     """
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
-                 shutdown_seconds=15.0, stdout=None, stderr=None):
+                 shutdown_seconds=15.0, stdout=None, stderr=None, verbose=False):
         self.command = list(command)
+        self.verbose = verbose
         self.cluster = build_cluster(workers, ps, host, pick_free_ports(workers + ps, host))
         self.grace_seconds = grace_seconds
         self.shutdown_seconds = shutdown_seconds
@@ -310,11 +368,13 @@ class Launcher(object):
         for job in ("worker", "ps"):
             for index, address in enumerate(self.cluster.get(job, ())):
                 env = dict(os.environ, TF_CONFIG=tf_config_for(self.cluster, job, index), PYTHONUNBUFFERED="1")
+                if not self.verbose:
+                    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
                 task = _Task("%s:%d" % (job, index), self.command, env)
                 self.tasks.append(task)
                 self.say("started %s (pid %d) at %s" % (task.name, task.process.pid, address))
         for task in self.tasks:
-            task.start_pump(self.stdout, self._lock)
+            task.start_pump(self.stdout, self._lock, quiet=not self.verbose)
 
     def stop(self, tasks=None):
         """SIGTERM to every task's process group, SIGKILL after the grace period."""
@@ -384,7 +444,7 @@ class Launcher(object):
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        self.exit(2, "%serror: %s (see --help)\n" % (_PREFIX, message))
+        self.exit(2, "%serror: %s; usage: %s\n" % (_PREFIX, message, _USAGE))
 
 
 def parse_args(argv):
@@ -394,7 +454,7 @@ def parse_args(argv):
       argv: the arguments after the program name.
 
     Returns:
-      An ``argparse.Namespace`` with ``workers``, ``ps``, ``host``, ``grace``,
+      An ``argparse.Namespace`` with ``workers``, ``ps``, ``host``, ``grace``, ``verbose``,
       ``shutdown_timeout`` and ``command`` (a non-empty list).
 
     Raises:
@@ -404,12 +464,13 @@ def parse_args(argv):
       >>> parse_args(["--workers", "2", "--", "python", "train.py"]).command
       ['python', 'train.py']
     """
-    parser = _OneLineParser(prog="python -m gradaccum.launch",
+    parser = _OneLineParser(prog="python -m gradaccum.launch", usage=_USAGE,
                             description="Run one TensorFlow job as several local processes.")
     parser.add_argument("--workers", type=int, required=True, help="worker processes; worker:0 is the chief")
     parser.add_argument("--ps", type=int, default=0, help="parameter-server processes (default 0)")
     parser.add_argument("--host", default="127.0.0.1", help="address the tasks listen on")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--verbose", action="store_true", help="keep TensorFlow's log noise in the output")
     parser.add_argument("--shutdown-timeout", type=float, default=15.0,
                         help="seconds the other tasks may run after the chief ended")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every task runs")
@@ -454,7 +515,7 @@ def main(argv=None, stdout=None, stderr=None):
     """
     args = parse_args(sys.argv[1:] if argv is None else argv)
     launcher = Launcher(args.command, args.workers, args.ps, args.host, args.grace, args.shutdown_timeout,
-                        stdout=stdout, stderr=stderr)
+                        stdout=stdout, stderr=stderr, verbose=args.verbose)
     previous = _install_handlers(launcher)
     try:
         return launcher.run()

@@ -15,12 +15,16 @@ usual; a ``GradientAccumulator`` creates its own state (see its module).
 Collections: nothing is added by this module. It reads the ``UPDATE_OPS``
 that each tower's ``model_fn`` adds (batch-norm moving averages) to choose
 which of them the train op runs. What ``model_fn`` itself adds (for example
-each tower's loss in ``LOSSES``) is added once per tower.
+each tower's loss in ``LOSSES``) is added once per tower. While ``model_fn``
+builds tower ``i``, ``gradaccum._tower_context.current()`` tells synchronized
+layers (``gradaccum.batch_normalization``) the tower's index, devices and
+shard sizes.
 """
 import collections
 import numbers
 
 from gradaccum import _compat
+from gradaccum import _tower_context
 from gradaccum import _validate
 from gradaccum._compat import tf
 from gradaccum.accumulator import GradientAccumulator
@@ -75,9 +79,13 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     Args:
       optimizer: a ``tf.compat.v1.train.Optimizer``, a ``GradientAccumulator``
         included (then each run is one micro-batch of ``towers x shard``
-        examples, and the update ops run on every micro-batch).
+        examples, and the update ops run on every micro-batch; with
+        ``statistics=True`` each tower's shard is a small batch of the
+        gradient noise scale, see ``gradaccum.statistics``).
       model_fn: callable taking one shard per input and returning the scalar
-        mean loss over that shard. Create variables with
+        mean loss over that shard (a non-scalar loss is refused: TF would
+        differentiate its sum, which the shard-size weighting would then
+        make wrong). Create variables with
         ``tf.compat.v1.get_variable`` or ``tf.compat.v1.layers``.
       inputs: a tensor, or a list or tuple of tensors with the same leading
         (batch) dimension, static or not.
@@ -88,7 +96,11 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
         with the first tower.
       update_ops: ``"first"`` runs the ``UPDATE_OPS`` created by the first
         tower, ``"all"`` every tower's (concurrently, in no set order),
-        ``None`` none. They become control dependencies of the train op.
+        ``None`` none. They become control dependencies of the train op
+        (with a ``GradientAccumulator``, its ``update_ops``).
+        ``gradaccum.batch_normalization`` builds its one update in the first
+        tower only (from the whole batch's statistics), so there ``"first"``
+        and ``"all"`` are the same.
       name: name scope of the ops outside the towers, and the towers' prefix.
 
     Returns:
@@ -126,7 +138,8 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     with tf.compat.v1.name_scope(name) as scope:
         min_batch = len(devices) if update_ops == "all" else 1
         batch_size, sizes, shards = _split(_check_inputs(inputs), len(devices), min_batch)
-    towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, devices, variables_device, name)
+    group = _tower_context.TowerGroup(devices, sizes)  # What synchronized layers see (batch_norm.py).
+    towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group)
     chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), None: []}[update_ops]
     weights = _check_weights(sizes, len(devices))
     with tf.compat.v1.name_scope(scope):
@@ -134,7 +147,8 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
         grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
     # In the caller's scope, so that the optimizer's variables (Adam's beta
     # powers) get the names one device gives them: checkpoints interchange.
-    train_op = _apply(optimizer, grads_and_vars, global_step, batch_size, chosen)
+    small_batches = [(t.grads_and_vars, w) for t, w in zip(towers, weights)]  # each shard, for statistics
+    train_op = _apply(optimizer, grads_and_vars, global_step, batch_size, chosen, small_batches)
     return TowerTraining(train_op, loss, towers)
 
 
@@ -306,7 +320,7 @@ def _device_function(compute_device, variables_device):
     return choose
 
 
-def _build_towers(optimizer, model_fn, shards, devices, variables_device, name):
+def _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group):
     """Builds one tower per device; returns the towers and each tower's update ops."""
     graph = tf.compat.v1.get_default_graph()
     towers, update_ops = [], []
@@ -317,7 +331,8 @@ def _build_towers(optimizer, model_fn, shards, devices, variables_device, name):
                                          auxiliary_name_scope=False), \
                 tf.compat.v1.device(_device_function(device, variables_device)), \
                 tf.compat.v1.name_scope("%s_%d" % (name, index)) as scope:
-            loss = _check_loss(model_fn(*[per_input[index] for per_input in shards]), index)
+            with _tower_context.TowerContext(group, index):
+                loss = _check_loss(model_fn(*[per_input[index] for per_input in shards]), index)
             if index:
                 _check_no_new_variables(graph, known, index)
             update_ops.append(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)[updates_before:])
@@ -334,7 +349,9 @@ def _check_loss(loss, index):
                         % (loss.dtype.base_dtype.name, index, _validate.describe(loss)))
     if loss.shape.ndims != 0:
         raise ValueError("`model_fn` must return a scalar loss (the mean over its shard), got shape %s "
-                         "in tower %d: reduce it with tf.reduce_mean" % (loss.shape, index))
+                         "in tower %d: reduce it with tf.reduce_mean. TF's minimize would differentiate "
+                         "the sum, but the towers are averaged weighted by shard size, so only a mean "
+                         "over the shard gives the full-batch update" % (loss.shape, index))
     return loss
 
 
@@ -359,12 +376,14 @@ def _weighted_mean(values, weights):
     return tf.add_n(parts, name="loss")
 
 
-def _apply(optimizer, grads_and_vars, global_step, batch_size, update_ops):
+def _apply(optimizer, grads_and_vars, global_step, batch_size, update_ops, small_batches):
     """Applies the averaged gradients after ``update_ops`` (on every micro-batch)."""
+    if isinstance(optimizer, GradientAccumulator):
+        # A micro-batch weighs its example count, so uneven micro-batches stay exact. The
+        # accumulator runs the update ops: window statistics once per window (gradaccum._window).
+        return optimizer.apply_gradients(grads_and_vars, global_step=global_step, weight=batch_size,
+                                         update_ops=update_ops, small_batches=small_batches)
     with tf.control_dependencies(update_ops):
-        if isinstance(optimizer, GradientAccumulator):
-            # A micro-batch weighs its example count, so uneven micro-batches stay exact.
-            return optimizer.apply_gradients(grads_and_vars, global_step=global_step, weight=batch_size)
         return optimizer.apply_gradients(grads_and_vars, global_step=global_step)
 
 

@@ -4,6 +4,8 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+from gradaccum import _window
+from gradaccum import accumulator as accumulator_module
 from scalar_problem import scalar_problem
 
 v1 = tf.compat.v1
@@ -375,11 +377,14 @@ def test_slots_and_variables_are_forwarded():
     with tf.Graph().as_default():
         _, _, w, _, acc, _ = scalar_problem(2, v1.train.AdamOptimizer(0.1))
         assert acc.get_slot(w, "m") is acc.optimizer.get_slot(w, "m") is not None
-        assert acc.get_slot(w, "accum") is acc.accumulators[0]
-        assert acc.get_slot_names() == ["accum", "m", "v"]
+        # Our caches are no slots: they never shadow a slot name of the wrapped optimizer.
+        assert acc.get_slot(w, "accum") is None
+        assert acc.get_slot_names() == acc.optimizer.get_slot_names() == ["m", "v"]
         names = [v.op.name for v in acc.variables()]
         assert names == sorted(names) and "GradientAccumulator/micro_step" in names
         assert "beta1_power" in names and len(names) == len(set(names))
+        assert acc.variables() == sorted(acc.optimizer.variables() + acc.state_variables, key=lambda v: v.name)
+        assert acc.accumulators[0] in acc.state_variables
 
 
 def test_half_precision_variables_accumulate_in_float32():
@@ -440,8 +445,6 @@ def _build_error(build):
 
 
 @pytest.mark.parametrize("build, error, message", [
-    (lambda acc, w: acc.minimize(w * w), ValueError, r"`loss` must be a scalar tensor, got shape \(2,\)"),
-    (lambda acc, w: acc.minimize(lambda: tf.reduce_sum(w)), TypeError, r"`loss` must be a scalar tensor"),
     (lambda acc, w: acc.minimize(tf.reduce_sum(w), weight=tf.ones([3])), ValueError,
      r"`weight` must be a scalar, got shape \(3,\)"),
     (lambda acc, w: acc.minimize(tf.reduce_sum(w), weight="big"), TypeError,
@@ -462,16 +465,370 @@ def test_build_errors(build, error, message):
         _build_error(build)
 
 
-def test_second_train_op_is_an_error():
-    def build(acc, w):
-        acc.minimize(tf.reduce_sum(w * w))
-        acc.minimize(tf.reduce_sum(w))
-
-    with pytest.raises(ValueError, match=r"already built a train op; make one GradientAccumulator per train op"):
-        _build_error(build)
+def test_two_train_ops_have_their_own_windows():
+    with tf.Graph().as_default():
+        c = v1.placeholder(tf.float64, [2])
+        w = v1.get_variable("w", initializer=np.array([1.0, 2.0]))
+        acc = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(1.0), 2)
+        first = acc.minimize(tf.reduce_sum(c * w))
+        second = acc.minimize(tf.reduce_sum(-c * w))
+        assert [win.train_op for win in acc.windows] == [first, second]
+        assert v1.get_collection(v1.GraphKeys.TRAIN_OP) == [first, second]
+        with pytest.raises(ValueError, match=r"built 2 train ops, each with its own window: take the one"):
+            acc.micro_step  # noqa: B018
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(first, {c: [1.0, 1.0]})
+            sess.run(second, {c: [4.0, 4.0]})
+            assert sess.run([win.micro_step for win in acc.windows]) == [1, 1]
+            sess.run(first, {c: [3.0, 3.0]})  # first's window: mean 2
+            np.testing.assert_array_equal(sess.run(w), [-1.0, 0.0])
+            sess.run(second, {c: [2.0, 2.0]})  # second's window: mean of -4, -2
+            np.testing.assert_array_equal(sess.run(w), [2.0, 3.0])
 
 
 def test_properties_before_building_are_an_error():
     acc = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(0.1), 2)
     with pytest.raises(ValueError, match=r"has no train op yet: call `minimize` or `apply_gradients` first"):
         acc.accumulate_op  # noqa: B018
+
+
+# ------------------------------------------------ interfaces with other modules
+
+
+class FakeWindowStatistics(object):
+    """Interface A: counts its calls' runs; ``finalize`` records ``w`` as it sees it."""
+
+    def __init__(self, w):
+        self.counts = dict((name, v1.get_variable("fake_" + name, initializer=np.float64(0.0), trainable=False))
+                           for name in ("update", "accumulate", "finalize", "reset"))
+        self.seen = v1.get_variable("fake_seen", initializer=np.zeros(2), trainable=False)
+        self._w = w
+        self.update_op = self.counts["update"].assign_add(1.0).op
+        v1.add_to_collection(_window.WINDOW_STATISTICS, self)
+        v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, self.update_op)
+
+    def accumulate(self):
+        return self.counts["accumulate"].assign_add(1.0).op
+
+    def finalize(self):
+        return tf.group(self.counts["finalize"].assign_add(1.0), self.seen.assign(self._w.read_value()))
+
+    def reset(self):
+        return self.counts["reset"].assign_add(1.0).op
+
+    def values(self, sess):
+        return dict((name, sess.run(var)) for name, var in self.counts.items())
+
+
+def _with_window_statistics(k, **minimize_kwargs):
+    c = v1.placeholder(tf.float64, [2])
+    weight = v1.placeholder_with_default(tf.constant(1.0, tf.float64), [])
+    w = v1.get_variable("w", initializer=np.array([10.0, 20.0]))
+    fake = FakeWindowStatistics(w)
+    counter = v1.get_variable("plain_counter", initializer=np.float64(0.0), trainable=False)
+    v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, counter.assign_add(1.0).op)
+    acc = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(1.0), k)
+    train_op = acc.minimize(tf.reduce_sum(c * w), weight=weight, **minimize_kwargs)
+    return c, weight, w, fake, counter, acc, train_op
+
+
+def test_window_statistics_accumulate_per_micro_step_and_finalize_after_the_apply():
+    with tf.Graph().as_default():
+        c, weight, w, fake, counter, acc, train_op = _with_window_statistics(3)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for value in (1.0, 2.0, 3.0):
+                sess.run(train_op, {c: [value, 0.0]})
+            assert fake.values(sess) == dict(update=0.0, accumulate=3.0, finalize=1.0, reset=0.0)
+            assert sess.run(counter) == 3.0  # a plain update op still runs on every micro-step
+            np.testing.assert_array_equal(sess.run(fake.seen), [8.0, 20.0])  # w after the apply
+            for _ in range(3):  # a zero-weight window is skipped: reset, no finalize
+                sess.run(train_op, {c: [1.0, 0.0], weight: 0.0})
+            sess.run(acc.accumulate_op, {c: [1.0, 0.0]})
+            sess.run(acc.zero_op)
+            assert fake.values(sess) == dict(update=0.0, accumulate=7.0, finalize=1.0, reset=2.0)
+
+
+def test_window_statistics_with_k1_are_the_plain_update_ops():
+    with tf.Graph().as_default():
+        c, _, w, fake, counter, acc, train_op = _with_window_statistics(1)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(2):
+                sess.run(train_op, {c: [1.0, 0.0]})
+            assert fake.values(sess) == dict(update=2.0, accumulate=0.0, finalize=0.0, reset=0.0)
+            assert sess.run(counter) == 2.0
+
+
+def test_apply_gradients_runs_only_the_update_ops_it_is_given():
+    with tf.Graph().as_default():
+        w = v1.get_variable("w", initializer=np.array([1.0, 2.0]))
+        fake = FakeWindowStatistics(w)
+        acc = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(1.0), 2)
+        grads = acc.compute_gradients(tf.reduce_sum(w))
+        without = acc.apply_gradients(grads)
+        given = acc.apply_gradients(grads, update_ops=[fake.update_op])
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(without)
+            assert fake.values(sess)["accumulate"] == 0.0
+            sess.run(given)
+            sess.run(given)
+            assert fake.values(sess) == dict(update=0.0, accumulate=2.0, finalize=1.0, reset=0.0)
+
+
+class FakeReducer(v1.train.GradientDescentOptimizer):
+    """Interface B: "reduces" by multiplying sums and weight; counts its reductions' runs."""
+
+    def __init__(self, learning_rate, sum_factor, weight_factor):
+        super(FakeReducer, self).__init__(learning_rate)
+        self._factors = sum_factor, weight_factor
+        self.seen_sums = []
+        self.counter = v1.get_variable("reductions", initializer=np.int64(0), trainable=False)
+
+    def reduce_window(self, sums_and_vars, weight):
+        self.seen_sums.append([g for g, _ in sums_and_vars])
+        with tf.control_dependencies([self.counter.assign_add(1)]):
+            scaled = [(_scaled(g, self._factors[0]), v) for g, v in sums_and_vars]
+            return scaled, weight * tf.cast(self._factors[1], weight.dtype)
+
+    def apply_reduced(self, grads_and_vars, global_step=None, name=None):
+        return self.apply_gradients(grads_and_vars, global_step, name)
+
+
+def _scaled(grad, factor):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * factor
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_reducer_reduces_once_per_window_and_its_result_is_applied(k):
+    with tf.Graph().as_default():
+        c, weight, w, step, acc, train_op = scalar_problem(k, FakeReducer(1.0, 2.0, 2.0))
+        assert acc.optimizer.seen_sums and all(g.dtype == tf.float64 for g in acc.optimizer.seen_sums[0])
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for value, size in [(1.0, 3.0), (5.0, 1.0), (2.0, 2.0)] * (2 if k == 1 else 1):
+                sess.run(train_op, {c: [value, 0.0], weight: size})
+            assert sess.run(acc.optimizer.counter) == (6 if k == 1 else 1)
+            if k == 3:  # (3 * 1 + 1 * 5 + 2 * 2) / 6 = 2: doubling sums and weight changes nothing
+                np.testing.assert_array_equal(sess.run(w), [8.0, 20.0])
+                assert sess.run(step) == 1
+            else:  # each micro-batch is its own window
+                np.testing.assert_array_equal(sess.run(w), [10.0 - 2 * 8.0, 20.0])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_reducer_with_zero_total_weight_skips(k):
+    with tf.Graph().as_default():
+        c, _, w, step, acc, train_op = scalar_problem(k, FakeReducer(1.0, 1.0, 0.0))
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(k):
+                sess.run(train_op, {c: [1.0, 1.0]})
+            np.testing.assert_array_equal(sess.run(w), [10.0, 20.0])
+            assert sess.run([step, acc.skipped_windows]) == [0, 1]
+
+
+def test_reducer_gets_sparse_sums():
+    ids = np.array([0, 2, 2])
+    with tf.Graph().as_default():
+        table = v1.get_variable("table", initializer=np.ones([4, 2]))
+        index = v1.placeholder(tf.int32, [None])
+        acc = gradaccum.GradientAccumulator(FakeReducer(1.0, 2.0, 2.0), 2)
+        train_op = acc.minimize(tf.reduce_sum(tf.gather(table, index)))
+        assert isinstance(acc.optimizer.seen_sums[0][0], tf.IndexedSlices)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(train_op, {index: ids[:1]})
+            sess.run(train_op, {index: ids[1:]})
+            # mean of the two micro-batches' gradients: row 0 gets 1/2, row 2 gets 2/2
+            np.testing.assert_array_equal(sess.run(table)[:, 0], [0.5, 1.0, 0.0, 1.0])
+
+
+class FakeStatistics(object):
+    """Interface C: counts observe_small/observe_big/discard runs; observe_big records ``w``."""
+
+    def __init__(self, pairs, dtype):
+        self.created = (len(pairs), dtype)
+        self.counts = dict((name, tf.compat.v1.Variable(np.float64(0.0), trainable=False, name="fake_" + name))
+                           for name in ("small", "big", "discard"))
+        self.seen = tf.compat.v1.Variable(np.zeros(2), trainable=False, name="fake_seen")
+        self.variables = sorted(list(self.counts.values()) + [self.seen], key=lambda v: v.name)
+        self.small_batches = []
+        self._w = pairs[0][1]
+
+    def observe_small(self, grads, weight, small_batches=None):
+        self.small_batches.append(small_batches)
+        return self.counts["small"].assign_add(1.0).op
+
+    def observe_big(self, averaged_grads, window_weight):
+        return tf.group(self.counts["big"].assign_add(tf.cast(window_weight, tf.float64)),
+                        self.seen.assign(self._w.read_value()))
+
+    def discard(self):
+        return self.counts["discard"].assign_add(1.0).op
+
+
+@pytest.fixture
+def fake_statistics(monkeypatch):
+    made = []
+
+    def create(pairs, dtype):
+        made.append(FakeStatistics(pairs, dtype))
+        return made[-1]
+
+    monkeypatch.setattr(accumulator_module._statistics, "create", create)
+    return made
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_statistics_are_observed_per_micro_step_and_per_applied_window(k, fake_statistics):
+    with tf.Graph().as_default():
+        c, weight, w, step, acc, train_op = scalar_problem(k, v1.train.GradientDescentOptimizer(1.0),
+                                                           statistics=True)
+        (stats,) = fake_statistics
+        assert acc.statistics is stats and stats.created == (1, tf.float64)
+        assert set(stats.variables) <= set(acc.variables())
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(k):
+                sess.run(train_op, {c: [1.0, 0.0], weight: 2.0})
+            values = sess.run([stats.counts["small"], stats.counts["big"], stats.counts["discard"]])
+            assert values == [k, 2.0 * k if k == 1 else 6.0, 0.0]
+            np.testing.assert_array_equal(sess.run(stats.seen), [10.0, 20.0])  # before the apply
+            for _ in range(k):
+                sess.run(train_op, {c: [1.0, 0.0], weight: 0.0})
+            assert sess.run(stats.counts["discard"]) == 1.0
+            if k > 1:
+                sess.run(acc.zero_op)
+                assert sess.run(stats.counts["discard"]) == 2.0
+
+
+def test_small_batches_reach_the_statistics(fake_statistics):
+    with tf.Graph().as_default():
+        w = v1.get_variable("w", initializer=np.array([1.0, 2.0]))
+        acc = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(1.0), 2, statistics=True)
+        grads = acc.compute_gradients(tf.reduce_sum(w))
+        towers = [(grads, 3.0), (grads, 2.0)]
+        acc.apply_gradients(grads, weight=5.0, small_batches=towers)
+        assert fake_statistics[0].small_batches == [towers]
+
+
+def test_without_statistics_the_graph_is_unchanged(fake_statistics):
+    def ops(**kwargs):
+        with tf.Graph().as_default() as graph:
+            scalar_problem(3, v1.train.AdamOptimizer(0.1), **kwargs)
+            return [(op.name, op.type) for op in graph.get_operations()]
+
+    assert ops() == ops(statistics=False)
+    assert not fake_statistics and not any("fake" in name for name, _ in ops())
+    assert len(ops(statistics=True)) > len(ops())
+
+
+def test_statistics_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"`statistics` must be a bool, got 'yes'"):
+        gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(0.1), 2, statistics="yes")
+
+
+EAGER_SCRIPT = """
+import tensorflow as tf
+import gradaccum
+if not tf.executing_eagerly():  # TF 1.x starts in graph mode
+    tf.compat.v1.enable_eager_execution()
+v = tf.Variable([1.0, 2.0])
+acc = gradaccum.GradientAccumulator(tf.compat.v1.train.GradientDescentOptimizer(0.1), %d)
+for build in (lambda: acc.minimize(lambda: tf.reduce_sum(v * v)),
+              lambda: acc.apply_gradients([(tf.ones([2]), v)])):
+    try:
+        build()
+        print("BUILT")
+    except RuntimeError as error:
+        print("ERROR", error)
+"""
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_eager_execution_is_one_error_naming_the_fix(k):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", EAGER_SCRIPT % k], capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stdout.splitlines() if line.startswith(("ERROR", "BUILT"))]
+    assert len(lines) == 2, result.stdout + result.stderr
+    for line in lines:
+        assert line.startswith("ERROR GradientAccumulator builds TF1 graph-mode train ops, but eager")
+        assert "tf.compat.v1.disable_eager_execution()" in line and "tf.compat.v1.disable_v2_behavior()" in line
+
+
+# ----------------------------------------------------- memory passes (issue 13)
+
+
+def _reachable(fetch):
+    """Every op one run of ``fetch`` may execute (both branches of each v1 cond)."""
+    seen, todo = set(), [fetch]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return seen
+
+
+def _uses(tensor, ops):
+    """The ops in ``ops`` that use ``tensor``, seen through the Switch/Identity ops of v1 conds."""
+    found = []
+    for op in tensor.consumers():
+        if op not in ops:
+            continue
+        if op.type in ("Switch", "Identity"):
+            for output in op.outputs:
+                found.extend(_uses(output, ops))
+        else:
+            found.append(op)
+    return found
+
+
+def _cache_passes(weighted, skip_nonfinite=False):
+    """Builds k = 4 on a float32 MLP with v1 control flow (a flat graph whose ops are those of either
+    TF behaviour) and returns, per cache, the ops of one micro-step that touch it."""
+    with tf.Graph().as_default(), gradaccum._compat.v1_control_flow():
+        x, y, loss, variables = _mlp(np.float32)
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4, skip_nonfinite=skip_nonfinite)
+        grads_and_vars = acc.compute_gradients(loss)
+        train_op = acc.apply_gradients(grads_and_vars, weight=tf.shape(x)[0] if weighted else None)
+        ops = _reachable(train_op)
+        result = []
+        for (grad, _), cache in zip(grads_and_vars, acc.accumulators):
+            touching = _uses(cache.handle, ops)
+            reads = [op for op in touching if op.type != "AssignVariableOp"]
+            writes = [op for op in touching if op.type == "AssignVariableOp"]
+            read_by = [op.type for read in reads if read.type == "ReadVariableOp"
+                       for op in _uses(read.outputs[0], ops)]
+            zeros_from = [op.inputs[1].op.type for op in writes]
+            grad_used_by = [op.type for op in _uses(grad, ops)]
+            result.append((sorted(op.type for op in reads), read_by, zeros_from, grad_used_by))
+        return result
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["weight_none", "weight_given"])
+def test_one_micro_step_makes_one_pass_per_cache_and_one_division_at_the_end(weighted):
+    kernel = "ResourceApplyGradientDescent" if weighted else "AssignAddVariableOp"
+    for reads, read_by, zeros_from, grad_used_by in _cache_passes(weighted):
+        # The accumulate kernel (cache += weight * grad, fused) and the window end's one read.
+        assert reads == sorted([kernel, "ReadVariableOp"])
+        assert read_by == ["RealDiv"]  # the division is the only pass over the cache at the end
+        # The reset writes a fresh fill of zeros (applied and skipped windows): it reads no cache.
+        assert len(zeros_from) == 2 and set(zeros_from) <= {"Fill", "Const"}
+        # The weight is the kernel's scalar: no product of the gradient is ever materialised.
+        assert grad_used_by == [kernel]
+
+
+def test_skip_nonfinite_adds_one_read_of_the_sums_only():
+    for reads, read_by, _, _ in _cache_passes(True, skip_nonfinite=True):
+        assert reads == ["ReadVariableOp", "ResourceApplyGradientDescent"]
+        assert sorted(read_by) == ["IsFinite", "RealDiv"]

@@ -97,14 +97,14 @@ def test_learning_rate_schedule_moves_once_per_update():
 LossScaled = collections.namedtuple("LossScaled", "x w step acc train_op scale momentum normal huge")
 
 
-def _loss_scaled(k, huge):
+def _loss_scaled(k, huge, **kwargs):
     """float32 variables, float16 compute, dynamic loss scaling inside the accumulator."""
     x = v1.placeholder(tf.float16, [None, 2])
     w = v1.get_variable("w", initializer=np.array([[0.5], [-0.25]], np.float32))
     loss = tf.reduce_mean(tf.cast(tf.matmul(x, tf.cast(w, tf.float16)), tf.float32) ** 2)
     momentum = v1.train.MomentumOptimizer(0.01, 0.9)
     scaled = v1.train.experimental.MixedPrecisionLossScaleOptimizer(momentum, "dynamic")
-    acc = gradaccum.GradientAccumulator(scaled, k)
+    acc = gradaccum.GradientAccumulator(scaled, k, **kwargs)
     step = v1.train.get_or_create_global_step()
     train_op = acc.minimize(loss, global_step=step)
     (scale,) = [v for v in v1.global_variables() if v.op.name.endswith("current_loss_scale")]
@@ -130,6 +130,28 @@ def test_overflow_in_one_micro_batch_skips_the_whole_window():
             for batch in (normal, normal, normal):  # a clean window applies
                 sess.run(train_op, {x: batch})
             assert not np.array_equal(sess.run(w), before[0]) and sess.run(step) == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"skip_nonfinite": True}, {"statistics": True}])
+def test_overflow_is_the_loss_scale_optimizers_decision_and_counts_as_skipped(kwargs):
+    """With ``skip_nonfinite`` the overflow still reaches the loss-scale optimizer (or its scale
+    would never come down); the window counts as skipped and the noise statistics ignore it."""
+    with tf.Graph().as_default():
+        x, w, step, acc, train_op, scale, _, normal, huge = _loss_scaled(2, 200.0, **kwargs)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            before = sess.run([w, scale])
+            for batch in (normal, huge):
+                sess.run(train_op, {x: batch})
+            assert sess.run(scale) == before[1] / 2 and sess.run(acc.skipped_windows) == 1
+            np.testing.assert_array_equal(sess.run(w), before[0])
+            if "statistics" in kwargs:
+                assert sess.run(acc.statistics.windows) == 0
+            for batch in (normal, normal):
+                sess.run(train_op, {x: batch})
+            assert sess.run(step) == 1 and sess.run(acc.skipped_windows) == 1
+            if "statistics" in kwargs:
+                assert sess.run(acc.statistics.windows) == 1
 
 
 def test_loss_scaled_window_equals_unscaled_reference():

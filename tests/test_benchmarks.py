@@ -1,10 +1,10 @@
-"""Smoke tests of the benchmark machinery in ``benchmarks/``: well-formed output, never speed.
+"""Tests of the benchmark harness and its JSON keys: well-formed figures, never speed.
 
-Nothing here times anything or asserts a speed or memory ratio: the ratios
-come from ``python benchmarks/run.py``. These tests prove that the report
-turns measurements into the right ratios and keys, that a memory child
-process reports sane figures, and that a timing group yields one finite
-positive time per round and variant.
+Nothing here asserts a time or memory ratio (those come from ``python benchmarks/run.py``).
+The tests check the arithmetic of the ratios and the floor on made-up series, that the
+families' summaries give every key the issue names, that a real (tiny) measurement yields
+finite figures and the right update errors (ours exact, tensorpack k - 1 off), and the
+child-process protocol.
 """
 import importlib.util
 import json
@@ -13,132 +13,230 @@ import os
 import sys
 
 import pytest
-import tensorflow as tf
 
 BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
 
-import bench_report  # noqa: E402
+import features  # noqa: E402
+import harness  # noqa: E402
+import memory  # noqa: E402
+import peers  # noqa: E402
 import run  # noqa: E402
 
-MB = bench_report.MB
-# The example's CNN at width 2: conv 3x3x(1*2 + 2*4 + 4*6 + 6*8 + 8*10), batch-norm
-# gamma and beta for 2+4+6+8+10 channels, dense 10x10 + 10; float32.
-CNN_WIDTH2_PARAM_BYTES = 4 * (9 * 162 + 2 * 30 + 110)
+MB = harness.MB
+TINY_MLP = {"model_args": {"widths": [8]}, "micro": 4, "k": 3}
 
 
-def _memory_record(config, k, micro, peak_mb, tf_mb, allocator):
-    return {"config": config, "k": k, "micro": micro, "examples": micro * k, "width": 24,
-            "peak_rss_bytes": peak_mb * MB, "psutil_peak_rss_bytes": peak_mb * MB,
-            "rss_before_bytes": 600 * MB, "tf_peak_bytes": tf_mb * MB if allocator else None,
-            "param_bytes": 1 * MB, "allocator": allocator}
+def test_paired_ratio_and_median_interval():
+    assert harness.paired_ratio([2.0, 3.0, 8.0], [1.0, 1.0, 2.0]) == 3.0
+    assert harness.median_ci95(list(range(1, 101))) == (40, 61)
+    assert harness.median_ci95([3, 1, 2]) == (1, 3)
+    ratio, ci = harness.ratio_with_ci({"a": [2.0, 4.0, 9.0], "b": [1.0, 2.0, 3.0]}, "a", "b")
+    assert ratio == 2.0 and ci == [2.0, 3.0]
+    assert harness.ratio_with_ci({"a": [1.0]}, "a", "missing") == (None, None)
+    with pytest.raises(ValueError, match="must be non-empty and as long, got 2 and 1"):
+        harness.paired_ratio([1.0, 2.0], [1.0])
 
 
-def _fake_records():
-    """B = 100 with k in {1, 4}: two default-allocator repeats and one allocator run each."""
-    table = [("full", 1, 100, (900, 902), 300), ("plain", 4, 25, (650, 652), 75),
-             ("fused", 1, 100, (905, 907), 305), ("fused", 4, 25, (660, 662), 79)]
-    records = []
-    for config, k, micro, peaks, tf_mb in table:
-        records += [_memory_record(config, k, micro, peak, None, False) for peak in peaks]
-        records.append(_memory_record(config, k, micro, 0, tf_mb, True))
-    return records
+def test_time_side_by_side_rotates_the_order_and_respects_its_time_budget():
+    order = []
+
+    def bench(name, micro_steps):
+        return harness.Bench(name, None, lambda feeds=None: order.append(name), micro_steps, [], None, None, 0)
+
+    benches = [bench("a", 2), bench("b", 4)]
+    times = harness.time_side_by_side(benches, rounds=3, warmup=0)
+    assert order == ["a", "b", "b", "a", "a", "b"] and [len(times[n]) for n in "ab"] == [3, 3]
+    assert all(t >= 0 for t in times["a"] + times["b"])
+    assert len(harness.time_side_by_side(benches, rounds=50, warmup=0, max_seconds=0.0, min_rounds=2)["a"]) == 2
 
 
-def _group(name, model, per_variant, skipped=None):
-    return {"name": name, "model": model, "width": 24, "micro": 10, "k": 2, "cpus": 1, "rounds": 3,
-            "windows": 1, "variants": list(per_variant) + list(skipped or {}), "skipped": skipped or {},
-            "times": dict((v, [t * 1e-6 for t in ts]) for v, ts in per_variant.items()),
-            "cpu_times": dict((v, [2 * t * 1e-6 for t in ts]) for v, ts in per_variant.items())}
+def test_stream_bandwidth_counts_read_read_write_and_takes_the_faster_bench():
+    times = {"stream": [0.012, 0.006], "stream_numpy": [0.024, 0.003]}
+    assert harness.stream_bandwidth_gbs(times, 10 ** 8) == pytest.approx([100.0, 400.0])
+    assert harness.stream_bandwidth_gbs(times, 10 ** 8, ["stream"]) == pytest.approx([100.0, 200.0])
 
 
-def _fake_time_result():
-    cnn = _group("cnn", "cnn", {"plain": [100, 200, 300], "fused": [110, 220, 330], "manual": [121, 242, 363]},
-                 skipped={"tensorpack": "tensorpack is not installed"})
-    mlp = _group("mlp", "mlp", {"plain": [10, 10, 10], "fused": [12, 13, 14], "manual": [24, 26, 28]})
-    towers = _group("towers", "cnn", {"one_device": [50, 50, 50], "towers1": [51, 51, 51],
-                                      "towers2": [55, 55, 55], "towers4": [60, 70, 65]})
-    return {"tensorflow": "2.x", "groups": [cnn, mlp, towers]}
+def _peers_results():
+    """The 10M MLP made up: 1e6 params, k = 8; a pass over them takes 1.2 ms, so the floor is 1.3 ms."""
+    ms = lambda *values: [v * 1e-3 for v in values]  # noqa: E731
+    mlp = {"setup": "mlp10m", "tag": None, "micro": 8, "k": 8, "model": "mlp", "model_args": {}, "params": 10 ** 6,
+           "times": {"ours": ms(5.3, 5.3, 5.3), "ours_unweighted": ms(5.3, 5.2, 5.4), "fwd_bwd": ms(4.0, 4.0, 4.0),
+                     "plain": ms(6.0, 6.0, 6.0), "seeds_manual": ms(5.4, 5.4, 5.4), "tensorpack": ms(5.2, 5.3, 5.2),
+                     "stream": ms(1.2, 1.2, 1.2), "stream_numpy": ms(2.4, 2.4, 2.4)},
+           "skipped": {"horovod": "horovod is not installed"},
+           "errors": {"ours": [1e-7, 2e-7], "ours_unweighted": [1e-7, 1e-7], "seeds_manual": [3e-7, 1e-7],
+                      "tensorpack": [7.0, 1.0]},
+           "variable_bytes": {"ours": 16e6}, "profile": {
+               "steps": [[["gradients", "MatMul", 2.0], ["GradientAccumulator", "AssignAdd", 1.0]]] * 7 +
+                        [[["gradients", "MatMul", 2.0], ["GradientAccumulator", "RealDiv", 0.5],
+                          ["Adam", "ApplyAdam", 3.0]]],
+               "fwd_bwd": [["gradients", "MatMul", 2.1]]},
+           "spec": {"kind": "time", "setup": "mlp10m"}}
+    cnn = {"setup": "cnn", "tag": None, "micro": 100, "k": 5, "model": "cnn", "model_args": {"width": 16},
+           "params": None, "times": {"ours": ms(40, 44), "plain": ms(40, 40)}, "skipped": {}, "errors": {"ours": [0.0]},
+           "variable_bytes": {}, "profile": None, "spec": {"kind": "time", "setup": "cnn"}}
+    onednn = dict(cnn, tag="onednn_off", times={"ours": ms(40, 40), "plain": ms(41, 41)},
+                  spec={"kind": "time", "setup": "cnn", "tag": "onednn_off"})
+    memory_row = {"peak_rss_bytes": 900 * MB, "tf_peak_bytes": 100 * MB, "variable_bytes": 160e6,
+                  "spec": {"kind": "memory", "setup": "mlp10m", "row": "ours"}}
+    return [mlp, cnn, onednn, memory_row]
 
 
-def _summary():
-    context = {"date": "2026-11-22", "machine": "test machine", "command": "python benchmarks/run.py",
-               "quick": False, "mode": "tf1", "notes": ["a note"]}
-    return bench_report.summarize(context, _fake_records(), _fake_time_result())
+def test_peers_summary_has_the_floor_and_the_peers_rows():
+    keys, lines = peers.summarize(_peers_results())
+    assert keys["stream_bandwidth_gbs"] == pytest.approx(10.0)  # 12e6 bytes in 1.2 ms.
+    assert keys["floor_ms"] == pytest.approx(1.3)  # (3 + 2/8) * 4e6 bytes at 10 GB/s.
+    assert keys["mlp10m_overhead_over_floor"] == pytest.approx(1.0)  # (5.3 - 4.0) / 1.3.
+    assert keys["mlp10m_weighted_over_unweighted_time"] == pytest.approx(5.3 / 5.3)
+    assert keys["fused_over_plain_time"] == pytest.approx(1.05)  # median of 1.0 and 1.1.
+    assert keys["fused_over_plain_time_onednn_off"] == pytest.approx(40.0 / 41.0)
+    rows = dict(((r["model"], r["name"]), r) for r in keys["peers"])
+    assert rows[("mlp10m", "tensorpack")]["max_rel_error_vs_full_batch"] == 7.0
+    assert rows[("mlp10m", "tensorpack")]["time_ratio"] == pytest.approx(5.2 / 5.3)
+    assert rows[("mlp10m", "horovod")]["skipped"] == "horovod is not installed"
+    assert rows[("mlp10m", "ours")]["peak_rss_bytes"] == 900 * MB
+    assert rows[("mlp10m", "plain")]["max_rel_error_vs_full_batch"] is None
+    account = dict(((a["scope"], a["op"]), a) for a in keys["mlp10m_profile"])
+    assert account[("GradientAccumulator", "AssignAdd")]["accumulate_step_ms"] == pytest.approx(1.0)
+    assert account[("Adam", "ApplyAdam")]["applying_step_ms"] == pytest.approx(3.0)
+    assert account[("(all ops)", "sum")]["accumulate_step_ms"] == pytest.approx(3.0)
+    text = "\n".join(lines)
+    assert "| tensorpack `AccumGradOptimizer` | 5.20 | 0.981 (0.981-1.000) | 7 | n/a | n/a | n/a |" in text
+    assert "skipped: horovod is not installed" in text
 
 
-def test_json_has_every_required_key_with_the_right_ratios(tmp_path):
-    path = str(tmp_path / "bench.json")
-    bench_report.write_json(_summary(), path)
-    with open(path) as stream:
-        loaded = json.load(stream)
-    for key in bench_report.REQUIRED_KEYS:
-        assert isinstance(loaded[key], float) and math.isfinite(loaded[key]) and loaded[key] > 0, key
-    # Memory: medians of the repeats; the largest k (4) is the headline.
-    np_ratio = 661.0 / (651.0 + 1.0)
-    assert loaded["accumulated_peak_over_micro_peak_plus_params"] == pytest.approx(np_ratio)
-    assert loaded["accumulated_peak_over_full_batch_peak"] == pytest.approx(661.0 / 901.0)
-    assert loaded["tf_allocator_accumulated_peak_over_micro_peak_plus_params"] == pytest.approx(79.0 / 76.0)
-    # Time: the median of per-round ratios, wall-clock and CPU.
-    assert loaded["fused_over_plain_time"] == pytest.approx(1.1)
-    assert loaded["manual_over_fused_time"] == pytest.approx(1.1)
-    assert loaded["fused_over_plain_time_mlp"] == pytest.approx(1.3)
-    assert loaded["manual_over_fused_time_mlp"] == pytest.approx(2.0)
-    assert loaded["towers4_over_one_device_time"] == pytest.approx(1.3)
-    assert loaded["towers4_over_one_device_time_ci95"] == pytest.approx([1.2, 1.4])  # (min, max) of 3 rounds.
-    assert loaded["fused_over_plain_cpu_time"] == pytest.approx(1.1)
-    assert loaded["tensorpack_over_fused_time"] is None
-    assert loaded["float64_over_default_accumulation_time"] is None
+def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
+    summary = {}
+    summary.update(peers.summarize(_peers_results())[0])
+    summary.update(features.summarize([])[0])
+    summary.update(memory.summarize([])[0])
+    for key in list(run.TARGETS) + ["stream_bandwidth_gbs", "floor_ms", "statistics_on_over_off_time_mlp10m",
+                                    "window_bn_over_tf_bn_time", "towers2_sync_bn_over_per_tower_bn_time"]:
+        assert key in summary or key.startswith("accumulated_peak"), key
+    for row in summary["peers"]:
+        assert {"name", "time_ratio", "max_rel_error_vs_full_batch"} <= set(row)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(summary))
+    assert json.loads(path.read_text())["floor_ms"] == pytest.approx(1.3)
+    table = run.readme_table(summary)
+    assert "| mlp10m | tensorpack `AccumGradOptimizer` | 0.981 (0.981-1.000) | 7 | n/a |" in table
+    assert "| 10M MLP: (ours - forward+backward) / floor | **1.000** (95% CI 1.000-1.000) | <= 1.10 |" in table
+    lines = run.headline(summary)
+    assert any("`mlp10m_overhead_over_floor`): **1.000**, target <= 1.10: met" in line for line in lines)
+    assert any("(`accumulated_peak_over_micro_peak_plus_params`): **n/a**" in line for line in lines)
 
 
-def test_median_ci95_uses_the_binomial_order_statistics():
-    assert bench_report.median_ci95(list(range(1, 101))) == (40, 61)
-    assert bench_report.median_ci95([3, 1, 2]) == (1, 3)
-    assert bench_report.paired_ratio([2.0, 3.0, 8.0], [1.0, 1.0, 2.0]) == 3.0
+def test_features_summary_reports_skipped_rows_as_none():
+    results = [{"group": "statistics_mlp10m", "setup": {}, "times": {},
+                "skipped": {"ours_statistics": "GradientAccumulator has no `statistics` argument yet"}},
+               {"group": "towers", "setup": {}, "skipped": {},
+                "times": {"one_device": [1.0, 1.0], "towers2": [1.1, 1.3], "towers2_sync_bn": [1.21, 1.3],
+                          "towers4": [2.0, 2.0], "towers4_sync_bn": [2.0, 2.2]}}]
+    keys, lines = features.summarize(results)
+    assert keys["statistics_on_over_off_time_mlp10m"] is None
+    assert keys["towers2_sync_bn_over_per_tower_bn_time"] == pytest.approx(1.05)
+    assert keys["towers2_over_one_device_time"] == pytest.approx(1.2)
+    assert keys["features_skipped"] == {"statistics_mlp10m": results[0]["skipped"]}
+    assert "skipped: GradientAccumulator has no `statistics` argument yet" in "\n".join(lines)
 
 
-def test_k1_compares_with_the_full_batch():
-    first = _summary()["memory"]["rows"][0]
-    assert first["k"] == 1
-    assert first["plain"]["peak_rss_bytes"] == pytest.approx(901 * MB)
-    assert first["over_micro_plus_params"] == pytest.approx(906.0 / 902.0)
+def test_memory_summary_takes_medians_and_the_largest_k():
+    def record(config, k, micro, rss, tf_mb, repeat):
+        return {"peak_rss_bytes": rss * MB, "tf_peak_bytes": tf_mb * MB, "param_bytes": 1 * MB,
+                "spec": {"config": config, "k": k, "micro": micro, "repeat": repeat}}
+    results = []
+    for repeat, delta in enumerate((0, 2)):
+        results += [record("full", 1, 100, 900 + delta, 300, repeat), record("plain", 4, 25, 650 + delta, 75, repeat),
+                    record("ours", 1, 100, 905 + delta, 305, repeat), record("ours", 4, 25, 660 + delta, 79, repeat)]
+    keys, lines = memory.summarize(results)
+    assert keys["memory_ratios_k"] == 4
+    assert keys["accumulated_peak_over_micro_peak_plus_params"] == pytest.approx(661.0 / 652.0)
+    assert keys["accumulated_peak_over_full_batch_peak"] == pytest.approx(661.0 / 901.0)
+    assert keys["tf_allocator_accumulated_peak_over_micro_peak_plus_params"] == pytest.approx(79.0 / 76.0)
+    assert "| 4 | 651 MB | 661 MB | 1.014 | 0.734 | 75 MB | 79 MB | 1.039 | 0.263 |" in lines
 
 
-@pytest.mark.parametrize("bad", [None, 0.0, -1.0, float("nan"), float("inf"), True, "1.0"])
-def test_check_summary_rejects_a_bad_required_value(bad):
-    summary = _summary()
-    summary["towers4_over_one_device_time"] = bad
-    with pytest.raises(ValueError, match="`towers4_over_one_device_time` must be a finite number > 0, got"):
-        bench_report.check_summary(summary)
+def test_plans_name_only_known_rows_and_groups():
+    for quick in (False, True):
+        for spec in peers.plan(quick):
+            assert spec["setup"] in peers.SETUPS and set(spec.get("rows", [])) <= set(peers.ROWS)
+        assert [spec["group"] for spec in features.plan(quick)] == list(features.GROUPS)
+        assert all(spec["env"]["TF_CPU_ALLOCATOR_USE_BFC"] == "true" for spec in memory.plan(quick))
+    assert all(set(group["rows"]) <= set(features.ROWS) for group in features.GROUPS.values())
 
 
-def test_markdown_has_every_section_and_verdict():
-    text = bench_report.render_markdown(_summary())
-    assert "| 4 | 25 | 651 MB | 661 MB | 1.014 | 0.734 | 75 MB | 79 MB | 1.039 |" in text
-    assert "| tensorpack AccumGradOptimizer | skipped: tensorpack is not installed |" in text
-    assert "- fused / plain, the example's CNN (target <= 1.02: NOT met): 1.100 (95% CI 1.100-1.100); " \
-           "CPU time 1.100." in text
-    assert "(plain micro-batch peak + params), k = 4: 1.014, target <= 1.05: met; TF allocator 1.039." in text
-    assert "| 4 tower(s), `gradaccum.tower` | 65.0 | 15385 | 1.300 (95% CI 1.200-1.400) | 1.300 |" in text
-    for caption in ("### Memory:", "### Time: the example's CNN", "### Time: small MLP", "### Towers:"):
-        assert caption in text
+def test_tiny_peers_measurement_gives_finite_times_and_the_right_errors():
+    spec = {"kind": "time", "setup": "mlp10m", "rounds": 2, "error_windows": 2, "override": TINY_MLP}
+    result = peers.measure(spec)
+    for name, series in result["times"].items():
+        assert len(series) == 2 and all(math.isfinite(t) and t > 0 for t in series), name
+    assert set(result["times"]) >= {"ours", "ours_unweighted", "plain", "fwd_bwd", "seeds_manual", "stream"}
+    assert result["params"] == 784 * 8 + 8 + 8 * 10 + 10
+    for row in ("ours", "ours_unweighted", "seeds_manual"):
+        assert max(result["errors"][row]) < 1e-4, row
+    if "tensorpack" in result["errors"]:  # It sums: k - 1 = 2 off, or worse when its counter races.
+        assert max(result["errors"]["tensorpack"]) > 1.5
+    assert len(result["profile"]["steps"]) == TINY_MLP["k"]
+    assert any(scope == "GradientAccumulator" and ms >= 0 for scope, _, ms in sum(result["profile"]["steps"][:-1], []))
+    assert any("ApplyAdam" in kind for _, kind, _ in result["profile"]["steps"][-1])  # Only the last step applies.
+    assert not any("ApplyAdam" in kind for _, kind, _ in sum(result["profile"]["steps"][:-1], []))
+    keys, _ = peers.summarize([dict(result, spec=spec)])
+    assert keys["floor_ms"] > 0 and keys["stream_bandwidth_gbs"] > 0
 
 
-def test_plot_writes_a_png_when_matplotlib_is_installed(tmp_path):
-    path = str(tmp_path / "plot.png")
-    written = bench_report.plot(_summary(), path)
-    if importlib.util.find_spec("matplotlib") is None:
-        assert written is None and not os.path.exists(path)
+def test_tiny_towers_group_times_every_available_row():
+    rows = ["one_device", "towers2", "towers2_sync_bn"]
+    spec = {"kind": "time", "group": "towers", "rounds": 1, "override": {"rows": rows},
+            "setup_override": {"model_args": {"width": 2}, "micro": 8}}
+    result = features.measure(spec)
+    assert sorted(set(result["times"]) | set(result["skipped"])) == sorted(rows)
+    assert all(len(series) == 1 and series[0] > 0 for series in result["times"].values())
+
+
+def test_memory_child_reports_sane_figures(tf_mode):
+    spec = {"mode": tf_mode, "kind": "memory", "config": "ours", "micro": 3, "k": 2, "repeat": 0,
+            "model_args": {"width": 2}}
+    result = harness.run_child("memory", spec, 240, {"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    # Conv kernels 3x3x(1*2 + 2*4 + 4*6 + 6*8 + 8*10) and BN gamma, beta; the dense head depends on the example's.
+    assert result["mode"] == tf_mode and result["param_bytes"] > 4 * (9 * 162 + 2 * 30)
+    assert result["peak_rss_bytes"] >= result["rss_before_bytes"] > 0
+    assert result["variable_bytes"] > result["param_bytes"]
+    import tensorflow as tf
+
+    if hasattr(tf.config.experimental, "get_memory_info"):  # TF 1.15 keeps no allocator statistics.
+        assert result["tf_peak_bytes"] > 0
     else:
-        with open(path, "rb") as stream:
-            assert written == path and stream.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert result["tf_peak_bytes"] is None
+
+
+def test_failed_and_timed_out_children_raise_one_line():
+    with pytest.raises(harness.ChildError, match=r"no_such_family child exited with status 1 \(ModuleNotFoundError"):
+        harness.run_child("no_such_family", {}, 120)
+    with pytest.raises(harness.ChildError, match="memory child timed out after 0.01 s"):
+        harness.run_child("memory", {"kind": "memory"}, 0.01)
+
+
+def test_update_readme_replaces_only_the_text_between_the_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n%s\nold table\n%s\nafter\n" % (run.README_BEGIN, run.README_END))
+    summary = dict(peers.summarize(_peers_results())[0], date="2026-11-23 10:00 UTC", machine="m",
+                   tensorflow=["2.21.0 (tf1)"], command="python benchmarks/run.py ", seconds=300.0,
+                   load_average=[0.5, 0.7], quick=False)
+    run.update_readme(str(readme), summary)
+    text = readme.read_text()
+    assert text.startswith("intro\n" + run.README_BEGIN + "\nMeasured 2026-11-23 10:00 UTC on m")
+    assert "old table" not in text
+    assert text.endswith(run.README_END + "\nafter\n") and "| <= 1.10 |" in text
+    run.update_readme(str(readme), summary)  # Idempotent: the markers stay.
+    assert readme.read_text() == text
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--batch", "1001"], "`--batch` 1001 must be divisible by every k in [1, 2, 5, 10, 25, 50], not by [2, 5"),
-    (["--repeats", "0"], "`--repeats` must be an int >= 1, got 0"),
     (["--output-dir", "/nonexistent/dir"], "`--output-dir` '/nonexistent/dir' is not a directory"),
+    (["--update-readme", os.path.abspath(__file__)], "must hold the benchmark markers once each"),
+    (["--family", "bogus"], "argument --family: invalid choice: 'bogus'"),
 ])
 def test_bad_flags_exit_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
@@ -147,65 +245,14 @@ def test_bad_flags_exit_with_one_line(argv, message, capsys):
     assert raised.value.code == 2 and message in err and err.count("\n") == 1
 
 
-def test_memory_configs_cover_full_plain_and_accumulated():
-    configs = run.memory_configs({"batch": 100, "ks": [1, 4]})
-    assert [(c["config"], c["micro"], c["k"]) for c in configs] == [
-        ("full", 100, 1), ("plain", 25, 4), ("fused", 100, 1), ("fused", 25, 4)]
-
-
-def test_failed_and_timed_out_children_raise_one_line():
-    with pytest.raises(run.ChildError, match=r"bogus child exited with status 2 \(usage: bench_child.py"):
-        run.run_child("bogus", {}, timeout=60)
-    spec = {"mode": "tf1", "model": "cnn", "variant": "fused", "width": 2, "micro": 2, "k": 2}
-    with pytest.raises(run.ChildError, match="memory child timed out after 0 s"):
-        run.run_child("memory", spec, timeout=0.01)
-
-
-def test_memory_child_reports_sane_figures(tf_mode):
-    spec = {"mode": tf_mode, "config": "fused", "model": "cnn", "variant": "fused", "width": 2, "micro": 3, "k": 2}
-    result = run.run_child("memory", spec, timeout=240, allocator=True)
-    assert (result["mode"], result["config"], result["examples"], result["runs"]) == (tf_mode, "fused", 6, 2)
-    assert result["param_bytes"] == CNN_WIDTH2_PARAM_BYTES
-    keys = ["peak_rss_bytes", "psutil_peak_rss_bytes", "rss_before_bytes", "seconds"]
-    # TF < 2.5 (1.15 included) has no allocator statistics: the child reports null there.
-    if hasattr(tf.config.experimental, "get_memory_info"):
-        keys.append("tf_peak_bytes")
-    else:
-        assert result["tf_peak_bytes"] is None
-    for key in keys:
-        assert math.isfinite(result[key]) and result[key] > 0, key
-    assert result["peak_rss_bytes"] >= result["rss_before_bytes"]
-
-
-@pytest.mark.parametrize("name, model, variants, cpus", [
-    ("mlp", "mlp", ["plain", "fused", "manual", "fused_float64", "tensorpack", "horovod"], 1),
-    ("towers", "cnn", ["one_device", "towers4"], 4),
-])
-def test_time_group_gives_one_positive_time_per_round(name, model, variants, cpus):
-    import bench_child
-
-    group = {"name": name, "model": model, "variants": variants, "width": 2, "micro": 4, "k": 1 if cpus > 1 else 2,
-             "cpus": cpus, "rounds": 2, "windows": 1, "warmup": 1}
-    result = bench_child.time_group(group)
-    missing = sorted(v for v in ("tensorpack", "horovod") if v in variants and importlib.util.find_spec(v) is None)
-    assert sorted(result["skipped"]) == missing
-    assert sorted(result["times"]) == sorted(set(variants) - set(missing))
-    for series in list(result["times"].values()) + list(result["cpu_times"].values()):
-        assert len(series) == 2 and all(math.isfinite(t) and t > 0 for t in series)
-    summary = bench_report.summarize_time_group(result)
-    assert all(math.isfinite(r) and r > 0 for r in summary["ratios"].values())
-
-
 @pytest.mark.parametrize("stderr, line", [
     ("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: `k` bad\n\nwarning: later\n",
      "ValueError: `k` bad"),
-    ("tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph execution error:\n\n  File y\n",
-     "tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph execution error:"),
-    ("usage: bench_child.py memory|time SPEC_JSON\n", "usage: bench_child.py memory|time SPEC_JSON"),
+    ("usage: harness.py FAMILY SPEC_JSON\n", "usage: harness.py FAMILY SPEC_JSON"),
     ("", "no output"),
 ])
 def test_last_error_line_finds_the_exception(stderr, line):
-    assert run.last_error_line(stderr) == line
+    assert harness.last_error_line(stderr) == line
 
 
 def test_soak_slope_and_verdict():
@@ -214,8 +261,7 @@ def test_soak_slope_and_verdict():
     growing = [(step, 100 * MB + step * 1024.0) for step in range(0, 20001, 1000)]  # 1 MB per 1000 steps.
     assert soak.slope_per_1000(growing) == pytest.approx(1000 * 1024.0)
     figures = soak.summarize(growing, 20000, 1000, tolerance_mb=8.0)
-    assert figures["slope_mb_per_1000"] == pytest.approx(1000 / 1024.0)
-    assert figures["start_mb"] == pytest.approx(100 + 1000 / 1024.0) and not figures["flat"]
+    assert figures["slope_mb_per_1000"] == pytest.approx(1000 / 1024.0) and not figures["flat"]
     flat = [(step, 100 * MB + (step % 2000) * 10.0) for step in range(0, 20001, 1000)]
     assert soak.summarize(flat, 20000, 1000, tolerance_mb=8.0)["flat"]
 
@@ -231,18 +277,11 @@ def test_soak_runs_in_a_finalized_graph_and_counts_updates():
         assert int(session.run(global_step)) == 10
     finally:
         session.close()
-    assert [step for step, _ in samples] == [0, 10, 20, 30, 40]
-    assert all(rss > 0 for _, rss in samples)
+    assert [step for step, _ in samples] == [0, 10, 20, 30, 40] and all(rss > 0 for _, rss in samples)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "`--steps` must be an int >= 1, got 0"),
-    (["--steps", "100", "--warmup", "100"], "`--warmup` must be >= 0 and < `--steps` 100, got 100"),
-])
-def test_soak_bad_flags_exit_with_one_line(argv, message, capsys):
-    import soak
-
-    with pytest.raises(SystemExit) as raised:
-        soak.parse_args(argv)
-    err = capsys.readouterr().err
-    assert raised.value.code == 2 and message in err and err.count("\n") == 1
+def test_tensorpack_is_an_optional_extra_of_the_benchmarks():
+    with open(os.path.join(os.path.dirname(BENCH_DIR), "setup.py")) as stream:
+        assert '"bench": ["tensorpack' in stream.read()
+    if importlib.util.find_spec("tensorpack") is None:
+        assert peers.unavailable("tensorpack") == "tensorpack is not installed"

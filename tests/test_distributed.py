@@ -36,17 +36,13 @@ def _env():
     return env
 
 
-# launch.py uses no TensorFlow, but `-m gradaccum.launch` imports the package, whose
-# __init__ imports TensorFlow (seconds per launch on this machine): most runs start
-# the same file directly; the 3-worker run uses the documented `-m` entry point.
-_LAUNCH_FILE = [sys.executable, "-c", "import runpy; runpy.run_path(%r, run_name='__main__')"
-                % os.path.join(_ROOT, "gradaccum", "launch.py")]
+# `-m gradaccum.launch` loads no TensorFlow (the package imports lazily).
 _LAUNCH_MODULE = [sys.executable, "-m", "gradaccum.launch"]
 
 
-def _command(workers, args, ps=0):
-    launcher = _LAUNCH_MODULE if workers == 3 else _LAUNCH_FILE
-    return launcher + ["--workers", str(workers), "--ps", str(ps), "--", sys.executable, _EXAMPLE] + args
+def _command(workers, args, ps=0, launcher_args=()):
+    return (_LAUNCH_MODULE + ["--workers", str(workers), "--ps", str(ps)] + list(launcher_args)
+            + ["--", sys.executable, _EXAMPLE] + args)
 
 
 def _descendants(pid):
@@ -70,8 +66,9 @@ def _assert_gone(pids):
 class _Job(object):
     """A launcher subprocess whose output lines are collected by threads."""
 
-    def __init__(self, workers, args, ps=0):
-        self.process = subprocess.Popen(_command(workers, args, ps), env=_env(), stdout=subprocess.PIPE,
+    def __init__(self, workers, args, ps=0, launcher_args=(), command=None):
+        command = _command(workers, args, ps, launcher_args) if command is None else command
+        self.process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, universal_newlines=True)
         self.lines = queue.Queue()
         self.out, self.err = [], []
@@ -110,7 +107,11 @@ class _Job(object):
             time.sleep(0.1)
         if self.process.poll() is None:
             self.kill()
-            pytest.fail("launcher still running after %s s" % timeout)
+            for reader in self._readers:
+                reader.join(10)
+            out, err = self.text()
+            pytest.fail("launcher still running after %s s; stdout: %s\nstderr: %s"
+                        % (timeout, out[-2000:], err[-4000:]))
         for reader in self._readers:
             reader.join(10)
         return self.process.returncode
@@ -128,13 +129,25 @@ class _Job(object):
 
 
 def _launch(workers, args, ps=0):
-    """Runs a job to its end; returns (status, stdout, stderr) after checking nothing is left."""
+    """Runs a job to its end; returns (stdout, stderr) after checking nothing is left and status 0."""
     job = _Job(workers, args, ps)
     status = job.wait(_RUN_TIMEOUT)
     _assert_gone(job.pids | {job.process.pid})
     out, err = job.text()
-    assert status == 0, err[-3000:]
+    assert status == 0, "stdout: %s\nstderr: %s" % (out[-3000:], err[-3000:])
     return out, err
+
+
+def _stop_and_wait(job, pid, timeout=60):
+    """SIGSTOPs ``pid``; returns (status, seconds from the stop to the launcher's end, stdout, stderr)
+    after checking that nothing of the job is left."""
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.time()
+    status = job.wait(timeout)
+    elapsed = time.time() - stopped
+    _assert_gone(job.pids | {job.process.pid})
+    out, err = job.text()
+    return status, elapsed, out, err
 
 
 def _assert_matches(run, ref, first_step=0):
@@ -186,3 +199,17 @@ def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(p
     out, _ = _launch(2, ["--steps", str(saved + 50), "--checkpoint-dir", ckpt, "--out", out_file])
     assert re.search(r"^\[worker:0\] restored global_step %d from .*model\.ckpt-%d$" % (saved, saved), out, re.M)
     _assert_matches(dict(np.load(out_file)), parabola_reference(saved + 50), first_step=saved)
+
+
+def test_a_stopped_worker_ends_the_in_graph_job_within_the_heartbeat_bound():
+    # Session timeouts do not end a chief's run that waits on a stopped worker;
+    # the chief's cluster.Heartbeat does, within its timeout + 1 s.
+    job = _Job(2, ["--steps", "100000", "--heartbeat-timeout", "5"], launcher_args=["--grace", "2"])
+    worker_pid = int(job.wait_for_line(r"started worker:1 \(pid (\d+)\)", 60).group(1))
+    job.wait_for_line(r"^\[worker:0\] global_step 50 loss", 120)
+    status, elapsed, out, err = _stop_and_wait(job, worker_pid)
+    assert status == 75  # The chief's: cluster.HEARTBEAT_EXIT_STATUS.
+    assert elapsed < 5 + 1 + 2 + 6, elapsed  # Heartbeat bound, launcher grace, slack for a loaded machine.
+    assert re.search(r"^\[worker:0\] gradaccum: worker:0: worker:1 at 127\.0\.0\.1:\d+ has not answered for \d+ s "
+                     r"\(heartbeat timeout 5 s\); stopping$", out, re.M), out[-3000:]
+    assert "gradaccum.launch: chief worker:0 (pid" in err and "ended with exit status 75" in err

@@ -1,10 +1,16 @@
 """Tests of examples/: the IDX reader, the data loader, the command line and the model.
 
 The command-line errors run the script in a subprocess (they fail before
-TensorFlow is imported, so they are fast); two short end-to-end runs check
-the printed epoch lines. The numeric tests build the example's graph in this
-process and compare subdivided with full-batch training on real variables.
+TensorFlow is imported, so they are fast); short end-to-end runs check the
+printed lines, the quiet stderr and ``--json``. The loader's search order is
+checked on fake IDX trees (``GRADACCUM_SYSTEM_DATASETS`` points the Debian
+package's place at one). ``test_end_to_end_on_real_fashion_mnist`` needs the
+Debian package ``dataset-fashion-mnist``: it skips without it, and fails
+instead when ``GRADACCUM_REQUIRE_FASHION_MNIST=1`` (CI installs the package
+and sets it). The numeric tests build the example's graph in this process and
+compare subdivided with full-batch training on real variables.
 """
+import json
 import functools
 import gzip
 import os
@@ -26,8 +32,10 @@ sys.path.insert(0, EXAMPLES)
 import fashion_mnist_subdivision as example  # noqa: E402
 import idx_data  # noqa: E402
 
-EPOCH_LINE = re.compile(r"^epoch (\d+): step (\d+), train loss (\d+\.\d{4}), test accuracy ([01]\.\d{4}), "
-                        r"\d+\.\d s, peak memory \d+ MB$")
+EPOCH_LINE = re.compile(r"^epoch (\d+): step (\d+), learning rate \S+, train loss (\d+\.\d{4}), test loss \d+\.\d{4}, "
+                        r"test accuracy ([01]\.\d{4}), \d+\.\d s, peak memory \d+ MB$")
+PROGRESS_LINE = re.compile(r"^update (\d+)/(\d+) \[[#.]{20}\] loss (\d+\.\d{4}), (\d+) examples/s, ETA \d+:\d\d$")
+REAL_DATA = "/usr/share/datasets/fashion-mnist"
 
 
 # ----------------------------------------------------------------- helpers
@@ -48,9 +56,12 @@ def write_fashion(directory, num_train=80, num_test=20, gz=True, seed=0):
     return arrays
 
 
-def run_script(args, home, timeout=240):
-    """Runs the example with ``HOME`` = ``home`` (an empty Keras cache); returns the process."""
-    env = dict(os.environ, HOME=str(home))
+def run_script(args, home, timeout=240, system_datasets=None):
+    """Runs the example with ``HOME`` = ``home`` (an empty Keras cache); returns the process.
+
+    ``system_datasets`` replaces ``/usr/share/datasets`` (default: ``home``, without Fashion-MNIST).
+    """
+    env = dict(os.environ, HOME=str(home), GRADACCUM_SYSTEM_DATASETS=str(system_datasets or home))
     env.pop("KERAS_HOME", None)
     return subprocess.run([sys.executable, SCRIPT] + list(args), env=env, cwd=str(home), timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
@@ -58,11 +69,7 @@ def run_script(args, home, timeout=240):
 
 def own_lines(text):
     """The lines of ``text`` that are not TensorFlow's or the progress bar's."""
-    noise = ("WARNING", "I0000", "E0000", "W0000", "Instructions for updating", "non-resource variables",
-             "Colocations handled")
-    return [line for line in text.splitlines()
-            if line.strip() and not line.startswith(noise)
-            and not re.match(r"^(epoch \d+ micro-batch |\d{4}-\d\d-\d\d )", line)]
+    return [line for line in text.splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
 
 
 # -------------------------------------------------------------- IDX reader
@@ -140,26 +147,87 @@ def test_load_from_data_dir_normalises(tmp_path, gz):
     np.testing.assert_allclose(data.test_images[..., 0], arrays["test_images"] / 255.0, rtol=1e-6)
     np.testing.assert_array_equal(data.train_labels, arrays["train_labels"])
     assert data.test_labels.dtype == np.int32 and data.source == "Fashion-MNIST from %s" % (tmp_path / "data")
+    assert (data.name, data.location) == ("fashion-mnist", str(tmp_path / "data"))
 
 
 def _never_download():
     raise AssertionError("must not download")
 
 
-def test_search_order_data_dir_then_home_cache(tmp_path, monkeypatch):
+def _fake_sources(tmp_path, monkeypatch, present):
+    """Fake IDX trees for the sources named in ``present``; returns ``{source: labels}``.
+
+    Sources: ``given`` (--data-dir), ``cache`` (the Keras cache under a fake
+    HOME), ``system`` (under a fake GRADACCUM_SYSTEM_DATASETS), ``download``
+    (a fake tf.keras download); each has its own number of training examples.
+    """
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("KERAS_HOME", raising=False)
-    monkeypatch.setattr(idx_data, "_keras_load_data", _never_download)
-    cache = tmp_path / "home" / ".keras" / "datasets" / "fashion-mnist"
-    assert idx_data.keras_cache_dir() == str(cache)
-    cached = write_fashion(cache, num_train=30, seed=1)
-    given = write_fashion(tmp_path / "given", num_train=40, seed=2)
+    monkeypatch.setenv("GRADACCUM_SYSTEM_DATASETS", str(tmp_path / "share"))
+    places = {"given": tmp_path / "given", "cache": tmp_path / "home" / ".keras" / "datasets" / "fashion-mnist",
+              "system": tmp_path / "share" / "fashion-mnist"}
+    labels = {}
+    for seed, source in enumerate(("given", "cache", "system"), 1):
+        if source in present:
+            labels[source] = write_fashion(places[source], num_train=10 * seed, seed=seed)["train_labels"]
+        else:
+            os.makedirs(str(places[source]))
+            # An incomplete tree does not count: only all four files do.
+            idx_data.write_idx(str(places[source] / "train-labels-idx1-ubyte.gz"), np.zeros(3, np.uint8))
+    downloaded = (np.zeros((40, 28, 28), np.uint8), np.arange(40, dtype=np.uint8) % 10)
+    monkeypatch.setattr(idx_data, "_keras_load_data", (lambda: (downloaded, downloaded)) if "download" in present
+                        else _offline)
+    labels["download"] = downloaded[1]
+    return places, labels
+
+
+def _offline():
+    raise OSError("URL fetch failure: no network")
+
+
+@pytest.mark.parametrize("present, expected", [
+    (("given", "cache", "system", "download"), "given"),
+    (("cache", "system", "download"), "cache"),
+    (("system", "download"), "system"),
+    (("download",), "download"),
+    ((), "digits"),
+])
+def test_search_order(tmp_path, monkeypatch, present, expected):
+    places, labels = _fake_sources(tmp_path, monkeypatch, present)
+    assert idx_data.keras_cache_dir() == str(places["cache"]) and idx_data.system_dir() == str(places["system"])
     notices = []
-    from_dir = idx_data.load_dataset(str(tmp_path / "given"), log=notices.append)
-    np.testing.assert_array_equal(from_dir.train_labels, given["train_labels"])
-    from_cache = idx_data.load_dataset(None, log=notices.append)
-    np.testing.assert_allclose(from_cache.train_images[..., 0], cached["train_images"] / 255.0, rtol=1e-6)
-    assert from_cache.source == "Fashion-MNIST from %s" % cache and notices == []
+    data = idx_data.load_dataset(str(places["given"]) if "given" in present else None, log=notices.append)
+    assert len(notices) == 1, notices
+    if expected == "digits":
+        assert (data.name, data.location, len(data.train_labels)) == ("digits", idx_data.DIGITS_LOCATION, 1500)
+        assert notices[0] == (
+            "data: scikit-learn's 8x8 digits upscaled to 28x28 (NOT Fashion-MNIST), 1500 train / 297 test "
+            "examples; Fashion-MNIST not found (no --data-dir, no files in %s, nor in %s, download failed: "
+            "URL fetch failure: no network); to train on Fashion-MNIST: `apt-get install dataset-fashion-mnist` "
+            "(Debian/Ubuntu), or put the four IDX files in a directory and pass `--data-dir`"
+            % (places["cache"], places["system"]))
+        return
+    np.testing.assert_array_equal(data.train_labels, labels[expected])
+    location = idx_data.DOWNLOAD_URL if expected == "download" else str(places[expected])
+    assert (data.name, data.location) == ("fashion-mnist", location)
+    assert notices == ["data: %s, %d train / %d test examples" % (data.source, len(labels[expected]),
+                                                                   len(data.test_labels))]
+    assert location in notices[0]
+
+
+def test_system_data_can_be_skipped(tmp_path, monkeypatch):
+    _fake_sources(tmp_path, monkeypatch, ("system",))
+    notices = []
+    data = idx_data.load_dataset(None, system_data=False, download=False, log=notices.append)
+    assert data.name == "digits" and "nor in" not in notices[0]
+
+
+def test_plain_and_gzipped_files_mix(tmp_path):
+    write_fashion(tmp_path / "d", gz=False)
+    os.remove(str(tmp_path / "d" / "t10k-labels-idx1-ubyte"))
+    idx_data.write_idx(str(tmp_path / "d" / "t10k-labels-idx1-ubyte.gz"), (np.arange(20) % 10).astype(np.uint8))
+    data = idx_data.load_fashion_dir(str(tmp_path / "d"))
+    assert len(data.test_labels) == 20
 
 
 def test_keras_home_moves_the_cache(tmp_path, monkeypatch):
@@ -188,6 +256,10 @@ def test_corrupt_cache_is_an_error_not_a_fallback(tmp_path, monkeypatch):
     monkeypatch.setattr(idx_data, "_keras_load_data", _never_download)
     with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz' has a bad magic number"):
         idx_data.load_dataset(None, cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setenv("GRADACCUM_SYSTEM_DATASETS", str(tmp_path))
+    os.rename(str(tmp_path / "cache"), str(tmp_path / "fashion-mnist"))
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte.gz' has a bad magic number"):
+        idx_data.load_dataset(None, cache_dir=str(tmp_path / "cache"))
 
 
 def test_fallback_to_digits_says_so_in_one_line(tmp_path, monkeypatch):
@@ -200,13 +272,13 @@ def test_fallback_to_digits_says_so_in_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(idx_data, "_keras_load_data", offline)
     notices, before = [], socket.getdefaulttimeout()
-    data = idx_data.load_dataset(None, cache_dir=str(tmp_path), log=notices.append)
+    data = idx_data.load_dataset(None, cache_dir=str(tmp_path), system_data=False, log=notices.append)
     assert timeouts == [idx_data.DOWNLOAD_TIMEOUT_SECONDS] and socket.getdefaulttimeout() == before
     assert len(notices) == 1 and "\n" not in notices[0]
     assert notices[0] == (
-        "Fashion-MNIST not found (no --data-dir and no files in %s; download failed: URL fetch failure: "
-        "[Errno -2] Name or service not known): falling back to scikit-learn's 8x8 digits upscaled to "
-        "28x28 (NOT Fashion-MNIST), 1500 train / 297 test examples" % tmp_path)
+        "data: scikit-learn's 8x8 digits upscaled to 28x28 (NOT Fashion-MNIST), 1500 train / 297 test examples; "
+        "Fashion-MNIST not found (no --data-dir, no files in %s, download failed: URL fetch failure: "
+        "[Errno -2] Name or service not known); %s" % (tmp_path, idx_data.HOW_TO_GET))
     assert data.train_images.shape == (1500, 28, 28, 1) and data.test_images.shape == (297, 28, 28, 1)
     assert sorted(set(data.test_labels.tolist())) == list(range(10))
 
@@ -235,8 +307,10 @@ def test_download_success_is_used_and_timeout_restored(tmp_path, monkeypatch):
     monkeypatch.setattr(idx_data, "_keras_load_data", lambda: (train, test))
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "kh"))
     notices, before = [], socket.getdefaulttimeout()
-    data = idx_data.load_dataset(None, log=notices.append)
-    assert notices == [] and data.source.startswith("Fashion-MNIST downloaded by tf.keras into ")
+    data = idx_data.load_dataset(None, system_data=False, log=notices.append)
+    assert notices == ["data: Fashion-MNIST downloaded from %s into %s, 3 train / 2 test examples"
+                       % (idx_data.DOWNLOAD_URL, tmp_path / "kh" / "datasets" / "fashion-mnist")]
+    assert data.location == idx_data.DOWNLOAD_URL
     np.testing.assert_allclose(data.train_images, np.full((3, 28, 28, 1), 0.2), rtol=1e-6)
     assert socket.getdefaulttimeout() == before
 
@@ -244,8 +318,8 @@ def test_download_success_is_used_and_timeout_restored(tmp_path, monkeypatch):
 def test_no_download_when_told(tmp_path, monkeypatch):
     monkeypatch.setattr(idx_data, "_keras_load_data", _never_download)
     notices = []
-    idx_data.load_dataset(None, cache_dir=str(tmp_path), download=False, log=notices.append)
-    assert len(notices) == 1 and "no files in %s)" % tmp_path in notices[0]
+    idx_data.load_dataset(None, cache_dir=str(tmp_path), system_data=False, download=False, log=notices.append)
+    assert len(notices) == 1 and "no files in %s);" % tmp_path in notices[0]
 
 
 # ------------------------------------------------------------ command line
@@ -253,7 +327,8 @@ def test_no_download_when_told(tmp_path, monkeypatch):
 
 def test_defaults_and_batch_fitting():
     args = example.parse_args([])
-    assert (args.batch_size, args.subdivisions, args.max_steps, args.epochs) == (5000, 50, 60, None)
+    assert (args.batch_size, args.subdivisions, args.max_steps, args.epochs) == (5000, 50, 120, None)
+    assert (args.learning_rate, args.warmup_updates, args.bn_stats, args.json) == (0.003, 10, None, None)
     assert example.parse_args(["--epochs", "2"]).max_steps is None
     notices = []
     assert example.fit_batch_to_data(example.parse_args([]), 1500, notices.append).batch_size == 1500
@@ -298,6 +373,10 @@ def _truncated_dir(tmp_path):
     (lambda p: ["--towers", "-1"], r"`--towers` must be an int >= 1, got -1$"),
     (lambda p: ["--max-steps", "0"], r"`--max-steps` must be an int >= 1, got 0$"),
     (lambda p: ["--learning-rate", "0"], r"`--learning-rate` must be > 0, got 0.0$"),
+    (lambda p: ["--warmup-updates", "-1"], r"`--warmup-updates` must be an int >= 0, got -1$"),
+    (lambda p: ["--bn-momentum", "1"], r"`--bn-momentum` must be in \[0, 1\), got 1.0$"),
+    (lambda p: ["--bn-stats", "both"], r"argument --bn-stats: invalid choice: 'both' \(choose from '?window'?, "),
+    (lambda p: ["--json", str(p / "no" / "s.json")], r"`--json` '.*s.json': directory '.*no' does not exist$"),
     (lambda p: ["--bogus"], r"unrecognized arguments: --bogus$"),
     (lambda p: ["--data-dir", str(p / "absent")], r"`--data-dir` '.*absent' is not a directory$"),
     (lambda p: ["--data-dir", str(p)], r"`data_dir` \(--data-dir\) '.*' does not hold Fashion-MNIST: missing "
@@ -325,41 +404,91 @@ def _epoch_lines(stdout):
     return [(int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))) for m in found]
 
 
+def _check_quiet_progress(stderr, total):
+    """stderr holds progress lines only (no TensorFlow noise), each with a real loss, rate and ETA."""
+    lines = stderr.splitlines()
+    assert lines and all(PROGRESS_LINE.match(line) for line in lines), stderr[-3000:]
+    for line in lines:
+        done, of, loss, rate = PROGRESS_LINE.match(line).groups()
+        assert 2 <= int(done) <= int(of) == total and 0 < float(loss) < 10 and int(rate) > 0, line
+
+
 def test_end_to_end_on_small_idx_files(tmp_path):
     write_fashion(tmp_path / "data", num_train=80, num_test=20)
     args = ["--data-dir", str(tmp_path / "data"), "--width", "2", "--batch-size", "40",
-            "--subdivisions", "4", "--max-steps", "3"]
+            "--subdivisions", "4", "--max-steps", "3", "--warmup-updates", "1", "--bn-stats", "micro",
+            "--json", str(tmp_path / "run.json")]
     proc = run_script(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     epochs = _epoch_lines(proc.stdout)
     # 80 examples in batches of 40: two updates in epoch 1, the third in epoch 2.
     assert [(e, s) for e, s, _, _ in epochs] == [(1, 2), (2, 3)]
     assert all(0 < loss < 10 and 0 <= acc <= 1 for _, _, loss, acc in epochs)
-    assert own_lines(proc.stdout)[:3] == [
+    lines = own_lines(proc.stdout)
+    assert lines[:3] == [
         "data: Fashion-MNIST from %s, 80 train / 20 test examples" % (tmp_path / "data"),
-        "model: width 2 (channels 2..10, 0.00163 M parameters), Adam 0.01, 1 tower(s)",
-        "batch 40 = 4 micro-batches of 10 through GradientAccumulator; 2 update(s) per epoch; "
-        "stop after 3 updates",
+        "model: width 2 (channels 2..10, strides 1,2,2,1,1, flatten head, 0.00643 M parameters), batch norm "
+        "micro statistics (momentum 0.9), 1 tower(s)",
+        "batch 40 = 4 micro-batches of 10 through GradientAccumulator; 2 update(s) per epoch; 3 updates; "
+        "Adam, learning rate 0.003 after 1 warm-up update(s), cosine decay to 0",
     ]
-    assert own_lines(proc.stdout)[-1].startswith("done: 3 updates in ")
-    assert "Traceback" not in proc.stderr and re.search(r"epoch 1 micro-batch 8/8 ", proc.stderr)
+    assert re.match(r"^done: 3 updates in [\d.]+ s \([\d.]+ s training, [\d.]+ s CPU\), peak memory \d+ MB, "
+                    r"test accuracy [01]\.\d{4}, [01]\.\d{4}$", lines[-1]), lines[-1]
+    _check_quiet_progress(proc.stderr, 3)
+    summary = json.load(open(str(tmp_path / "run.json")))
+    assert list(summary)[:9] == ["dataset", "source", "train_examples", "test_examples", "updates",
+                                 "test_accuracy", "final_test_accuracy", "seconds", "peak_rss_mb"]
+    assert (summary["dataset"], summary["source"], summary["train_examples"], summary["test_examples"],
+            summary["updates"]) == ("fashion-mnist", str(tmp_path / "data"), 80, 20, 3)
+    assert summary["test_accuracy"] == [acc for _, _, _, acc in epochs] == pytest.approx(
+        [summary["test_accuracy"][0], summary["final_test_accuracy"]], abs=5e-5)
+    assert summary["examples_seen"] == [80, 120] and 0 < summary["peak_rss_mb"] < 1e5
+    assert 0 < summary["train_seconds"] < summary["seconds"]
     # The same --seed, the same losses: under TF2 behaviour too, where the
     # initialisers ignore the graph seed unless Python's random is seeded.
     assert _epoch_lines(run_script(args, tmp_path).stdout) == epochs
 
 
+def test_verbose_lets_tensorflow_speak(tmp_path):
+    write_fashion(tmp_path / "data", num_train=20, num_test=10)
+    proc = run_script(["--data-dir", str(tmp_path / "data"), "--width", "1", "--batch-size", "20",
+                       "--subdivisions", "2", "--max-steps", "1", "--verbose"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines() if not PROGRESS_LINE.match(line)]
+    assert noise, proc.stderr  # TensorFlow's own lines, whatever the version prints.
+
+
 def test_end_to_end_fallback_plain_full_batch_on_two_towers(tmp_path):
-    proc = run_script(["--offline", "--no-subdivisions", "--width", "2", "--max-steps", "1", "--towers", "2"],
-                      tmp_path)
+    proc = run_script(["--offline", "--no-subdivisions", "--width", "2", "--max-steps", "1", "--towers", "2",
+                       "--bn-stats", "micro"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = own_lines(proc.stdout)
-    assert lines[0].startswith("Fashion-MNIST not found (no --data-dir and no files in %s" % tmp_path)
-    assert lines[0].endswith("falling back to scikit-learn's 8x8 digits upscaled to 28x28 "
-                             "(NOT Fashion-MNIST), 1500 train / 297 test examples")
+    assert lines[0].startswith("data: scikit-learn's 8x8 digits upscaled to 28x28 (NOT Fashion-MNIST), 1500 train "
+                               "/ 297 test examples; Fashion-MNIST not found (no --data-dir, no files in %s"
+                               % tmp_path)
+    assert lines[0].endswith("; " + idx_data.HOW_TO_GET)
     assert lines[1] == ("note: `--batch-size` 5000 is larger than the 1500 training examples: using 1500 "
                         "(1 micro-batch of 1500)")
     assert "batch 1500 = plain training, no accumulator" in proc.stdout and "2 tower(s)" in proc.stdout
     assert [(e, s) for e, s, _, _ in _epoch_lines(proc.stdout)] == [(1, 1)]
+
+
+def test_end_to_end_on_real_fashion_mnist(tmp_path):
+    """The Debian package's files, found without --data-dir: 60,000 + 10,000 examples."""
+    if not os.path.isdir(REAL_DATA):
+        if os.environ.get("GRADACCUM_REQUIRE_FASHION_MNIST") == "1":
+            pytest.fail("%s is missing but GRADACCUM_REQUIRE_FASHION_MNIST=1" % REAL_DATA)
+        pytest.skip("Fashion-MNIST is not installed: apt-get install dataset-fashion-mnist")
+    proc = run_script(["--offline", "--width", "2", "--batch-size", "1000", "--subdivisions", "2",
+                       "--max-steps", "2", "--json", str(tmp_path / "real.json")], tmp_path,
+                      system_datasets=os.path.dirname(REAL_DATA))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.load(open(str(tmp_path / "real.json")))
+    assert (summary["dataset"], summary["source"], summary["train_examples"], summary["test_examples"],
+            summary["updates"]) == ("fashion-mnist", REAL_DATA, 60000, 10000, 2)
+    assert own_lines(proc.stdout)[0] == "data: Fashion-MNIST from %s, 60000 train / 10000 test examples" % REAL_DATA
+    assert len(summary["test_accuracy"]) == 1 and 0 <= summary["final_test_accuracy"] <= 1
+    assert 0 < summary["test_loss"][0] < 10
 
 
 # ------------------------------------------------------------ the numbers
@@ -480,7 +609,152 @@ def test_batch_norm_moving_averages_update_on_every_micro_batch():
                         training.labels: rng.randint(0, 10, 5).astype(np.int32)}
                 _, conv_out = sess.run([training.train_op, conv1], feed)
                 batch_mean = conv_out.mean(axis=(0, 1, 2))
-                expected = example.BN_MOMENTUM * expected + (1 - example.BN_MOMENTUM) * batch_mean
+                momentum = example.BN_MOMENTUM["micro"]
+                expected = momentum * expected + (1 - momentum) * batch_mean
                 np.testing.assert_allclose(sess.run(moving_mean), expected, rtol=1e-5, atol=1e-7)
                 assert sess.run(training.global_step) == (1 if run == 2 else 0)
                 assert np.array_equal(sess.run(kernel), kernel_before) == (run < 2)
+
+
+def _moving_mean_and_conv1(training):
+    graph = tf.compat.v1.get_default_graph()
+    moving_mean = [v for v in tf.compat.v1.global_variables() if v.op.name == "model/bn1/moving_mean"][0]
+    return moving_mean, graph.get_tensor_by_name("model/conv1/Conv2D:0")
+
+
+@pytest.mark.skipif(not hasattr(example.gradaccum, "batch_normalization"),
+                    reason="gradaccum.batch_normalization (issue 19) is not there yet")
+def test_window_batch_norm_moves_once_per_update_from_the_whole_window():
+    rng = np.random.RandomState(1)
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(2)
+        config = example.TrainingConfig(2, 0.01, subdivisions=3, towers=1, bn_stats="window", bn_momentum=0.5)
+        # Learning rate 0: the convolution does not move, so the window's statistics are known.
+        training = example.build_training(config, optimizer=tf.compat.v1.train.GradientDescentOptimizer(0.0))
+        moving_mean, conv1 = _moving_mean_and_conv1(training)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            before, outputs = sess.run(moving_mean), []
+            for run, size in enumerate((4, 5, 6)):  # Uneven micro-batches: pooled by example count.
+                feed = {training.images: rng.rand(size, 28, 28, 1).astype(np.float32),
+                        training.labels: rng.randint(0, 10, size).astype(np.int32)}
+                outputs.append(sess.run([training.train_op, conv1], feed)[1])
+                if run < 2:
+                    np.testing.assert_array_equal(sess.run(moving_mean), before)
+            window_mean = np.concatenate(outputs).mean(axis=(0, 1, 2))
+            np.testing.assert_allclose(sess.run(moving_mean), 0.5 * before + 0.5 * window_mean, rtol=1e-5, atol=1e-6)
+            # Teeth: three per-micro-batch updates would land elsewhere.
+            per_micro = before
+            for output in outputs:
+                per_micro = 0.5 * per_micro + 0.5 * output.mean(axis=(0, 1, 2))
+            assert np.abs(per_micro - window_mean * 0.5 - before * 0.5).max() > 1e-3
+
+
+def test_learning_rate_schedule_matches_its_python_twin():
+    with tf.Graph().as_default():
+        step = tf.compat.v1.placeholder(tf.int64, [])
+        rates = {args: example.learning_rate_schedule(step, *args) for args in
+                 [(0.003, 10, 120), (0.003, 0, 50), (0.01, 5, None), (0.02, 0, None)]}
+        with tf.compat.v1.Session() as sess:
+            for args, rate in rates.items():
+                for value in (0, 1, 4, 9, 10, 11, 60, 119, 120, 500):
+                    np.testing.assert_allclose(sess.run(rate, {step: value}), example.learning_rate_at(value, *args),
+                                               rtol=1e-6, atol=1e-9)
+    at = functools.partial(example.learning_rate_at, peak=0.003, warmup_updates=10, total_updates=120)
+    assert at(0) == pytest.approx(0.0003) and at(9) == pytest.approx(0.003) and at(10) == pytest.approx(0.003)
+    assert at(65) == pytest.approx(0.0015) and at(120) == 0.0 and at(119) > 0
+    assert all(at(s) >= at(s + 1) for s in range(10, 120))
+
+
+def test_bad_strides_are_one_line(tmp_path):
+    proc = run_script(["--strides", "2,2"], tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == (
+        "fashion_mnist_subdivision.py: error: `--strides` must be five strides of 1 or 2, like 1,2,2,1,1, "
+        "got '2,2'\n")
+    assert example.parse_args(["--strides", "2,2,1,1,1"]).strides == (2, 2, 1, 1, 1)
+
+
+# ------------------------------------------------------------ compare_batches
+
+
+def test_compare_batches_same_examples_and_replot(tmp_path):
+    import compare_batches
+
+    args, rest = compare_batches.parse_args(["--epochs", "3", "--bn-momentum", "0.5", "--width", "4",
+                                             "--out-dir", str(tmp_path)])
+    assert rest == ["--width", "4"]
+    flags = {name: compare_batches.run_flags(name, args, rest) for name in ("subdivided", "full", "small")}
+    assert flags["subdivided"] == ["--batch-size", "5000", "--subdivisions", "50", "--epochs", "3",
+                                   "--warmup-updates", "10", "--bn-momentum", "0.5", "--width", "4"]
+    assert flags["full"][:3] == ["--batch-size", "5000", "--no-subdivisions"]
+    assert flags["small"] == ["--batch-size", "100", "--no-subdivisions", "--epochs", "3", "--warmup-updates",
+                              "500", "--learning-rate", "0.001", "--bn-momentum", "0.9862", "--width", "4"]
+    for index, name in enumerate(("subdivided", "full", "small")):
+        summary = {"updates": 36 * (50 if name == "small" else 1), "test_accuracy": [0.8, 0.85, 0.9 - index / 100.0],
+                   "test_loss": [0.5, 0.4, 0.3], "examples_seen": [60000, 120000, 180000], "seconds": 100 + index,
+                   "cpu_seconds": 190.0, "peak_rss_mb": 900.0 + 1000 * (name == "full"),
+                   "source": "/usr/share/datasets/fashion-mnist"}
+        with open(str(tmp_path / ("compare_%s.json" % name)), "w") as handle:
+            json.dump(summary, handle)
+    compare_batches.main(["--replot", "--out-dir", str(tmp_path)])
+    assert (tmp_path / "compare_batches.png").stat().st_size > 10000
+    assert (tmp_path / "compare_batches.md").read_text().splitlines()[2:] == [
+        "| 5,000 in 50 subdivisions of 100 | 36 | 0.8500, 0.9000 | 0.3000 | 100 s | 190 s | 900 MB |",
+        "| 5,000 at once | 36 | 0.8500, 0.8900 | 0.3000 | 101 s | 190 s | 1900 MB |",
+        "| 100, no accumulation | 1800 | 0.8500, 0.8800 | 0.3000 | 102 s | 190 s | 900 MB |",
+    ]
+    os.remove(str(tmp_path / "compare_full.json"))
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "compare_batches.py"), "--replot", "--out-dir",
+                           str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+    assert proc.returncode == 2 and proc.stderr == (
+        "compare_batches.py: error: no summary %r to read: train run 'full' first\n"
+        % str(tmp_path / "compare_full.json"))
+
+
+# ------------------------------------------------------------ collective workers
+
+
+def _checkpoint_values(prefix):
+    reader = tf.train.load_checkpoint(prefix)
+    return dict((name, reader.get_tensor(name)) for name in reader.get_variable_to_shape_map())
+
+
+def test_workers_must_share_the_micro_batches_evenly(tmp_path):
+    spec = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}, "task": {"type": "worker",
+                                                                                           "index": 0}}
+    env = dict(os.environ, TF_CONFIG=json.dumps(spec))
+    proc = subprocess.run([sys.executable, SCRIPT, "--batch-size", "40", "--subdivisions", "4"], env=env,
+                          cwd=str(tmp_path), timeout=60, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "fashion_mnist_subdivision.py: error: `--subdivisions` 4 must be divisible by the 3 workers (each runs "
+        "4/3 of every update's micro-batches), e.g. 3"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_two_collective_workers_train_the_variables_of_one_process(tmp_path):
+    """Under the launcher each worker runs half of every update's micro-batches; the chief alone
+    reports. The trained variables and Adam's slots equal one process's run of the same flags."""
+    write_fashion(tmp_path / "data", num_train=80, num_test=20)
+    common = ["--data-dir", str(tmp_path / "data"), "--width", "2", "--batch-size", "40", "--subdivisions", "4",
+              "--max-steps", "3", "--warmup-updates", "1"]
+    one = run_script(common + ["--save", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    env = dict(os.environ, HOME=str(tmp_path), GRADACCUM_SYSTEM_DATASETS=str(tmp_path))
+    job = subprocess.run([sys.executable, "-m", "gradaccum.launch", "--workers", "2", "--", sys.executable, SCRIPT]
+                         + common + ["--save", str(tmp_path / "two"), "--json", str(tmp_path / "two.json")],
+                         env=env, cwd=ROOT, timeout=200, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         universal_newlines=True)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    worker_1 = [line for line in job.stdout.splitlines() if line.startswith("[worker:1]")]
+    assert [line.split("]", 1)[1].split(":")[0].strip() for line in worker_1] == ["data"], worker_1
+    assert "2 per worker on 2 workers" in job.stdout and json.load(open(str(tmp_path / "two.json")))["updates"] == 3
+    ours, reference = _checkpoint_values(str(tmp_path / "two")), _checkpoint_values(str(tmp_path / "one"))
+    compared = [name for name in reference if name.startswith("model/") and "moving_" not in name
+                and "window_" not in name and not name.endswith("/GradientAccumulator")]
+    assert len(compared) >= 30 and ours["global_step"] == reference["global_step"] == 3
+    for name in compared:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    # Not vacuous: training moved every kernel away from where it started.
+    assert not np.allclose(ours["model/conv1/kernel/Adam"], 0)

@@ -45,6 +45,12 @@ _TASK = textwrap.dedent("""
             time.sleep(120)
     if mode == "all_hang":
         time.sleep(120)
+    if mode == "noisy":
+        print()
+        for line in NOISE:
+            print(line)
+        print("real output")
+        sys.stdout.flush()
     if mode == "grandchild":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print("grandchild", child.pid)
@@ -53,11 +59,30 @@ _TASK = textwrap.dedent("""
 """)
 
 
+# TensorFlow's log noise as TF 2.21 and TF 1.15 print it; the launcher leaves it out unless --verbose.
+_NOISE = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795423289.130120    6697 port.cc:153] oneDNN custom operations are on. You may see ...",
+    "E0000 00:00:1795424085.489083   14476 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)",
+    "2026-11-23 08:45:12.123456: I tensorflow/core/platform/cpu_feature_guard.cc:142] Your CPU supports AVX2",
+    "To enable the following instructions: AVX2 FMA, in other operations, rebuild TensorFlow with the "
+    "appropriate compiler flags.",
+    "WARNING:tensorflow:From /x/v2_compat.py:98: disable_resource_variables (from tensorflow.python.ops) "
+    "is deprecated and will be removed in a future version.",
+    "Instructions for updating:",
+    "non-resource variables are not supported in the long term",
+    "WARNING:tensorflow:From /x.py:3: The name tf.Session is deprecated. Please use tf.compat.v1.Session instead.",
+    "",
+    "/x/example.py:88: UserWarning: `tf.layers.conv2d` is deprecated and will be removed in a future version.",
+    "  h = tf.compat.v1.layers.conv2d(x, 8, 3)",
+]
+
+
 def _run(args, mode, script_dir):
     """Runs launch.main in-process; returns (status, stdout text, stderr text)."""
     script = os.path.join(str(script_dir), "task.py")
     with open(script, "w") as handle:
-        handle.write(_TASK)
+        handle.write("NOISE = %r\n" % (_NOISE,) + _TASK)
     out, err = io.BytesIO(), io.StringIO()
     status = launch.main(args + ["--", sys.executable, script, mode], stdout=out, stderr=err)
     return status, out.getvalue().decode(), err.getvalue()
@@ -283,3 +308,43 @@ def test_tasks_die_when_the_launcher_is_killed(tmp_path):
         launcher.wait(10)
     gone, alive = psutil.wait_procs(tasks, timeout=10)
     assert alive == [] and len(gone) == 2
+
+
+def test_tensorflow_log_noise_is_left_out_unless_verbose(tmp_path):
+    status, out, _ = _run(["--workers", "2"], "noisy", tmp_path)
+    assert status == 0
+    for name in ("worker:0", "worker:1"):
+        lines = [line for line in out.splitlines() if line.startswith("[%s] " % name)]
+        assert lines[1:] == ["[%s] second line" % name, "[%s] real output" % name], lines
+    status, out, _ = _run(["--workers", "1", "--verbose"], "noisy", tmp_path)
+    assert [line[len("[worker:0] "):] for line in out.splitlines()][2:] == _NOISE + ["real output"]
+
+
+def _launch_module(args):
+    """Runs ``python -X importtime -m gradaccum.launch args``; returns (status, stderr, seconds)."""
+    start = time.time()
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "gradaccum.launch"] + args,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+    return done.returncode, done.stderr, time.time() - start
+
+
+@pytest.mark.parametrize("args", [["--workers", "two", "--", "python"], ["--workers", "2"], []])
+def test_a_bad_flag_is_one_usage_line_without_tensorflow_or_runpy_warning(args):
+    status, err, seconds = _launch_module(args)
+    imported = [line for line in err.splitlines() if line.startswith("import time:")]
+    lines = [line for line in err.splitlines() if not line.startswith("import time:")]
+    assert status == 2 and len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("gradaccum.launch: error: ")
+    assert lines[0].endswith("; usage: python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] "
+                             "[--shutdown-timeout S] [--verbose] -- COMMAND [ARG ...]")
+    assert imported and not any(re.search(r"\| +(tensorflow|numpy)\b", line) for line in imported)
+    assert "RuntimeWarning" not in err
+    assert seconds < 3.0  # About 0.1 s on an idle machine; this one is shared.
+
+
+def test_importing_the_package_defers_everything_but_the_tensorflow_check():
+    code = ("import sys; import gradaccum; print(sorted(m for m in sys.modules if m.startswith('gradaccum')));"
+            "gradaccum.GradientAccumulator; print('gradaccum.accumulator' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          universal_newlines=True, timeout=120)
+    assert done.stdout.splitlines() == ["['gradaccum', 'gradaccum._compat', 'gradaccum._version']", "True"]

@@ -1,0 +1,266 @@
+"""Family "peers": accumulation beside its peers, correctness included, and the memory floor.
+
+Rows (trainers, see ``harness``): ``ours`` (``GradientAccumulator``, ``weight`` = the
+micro-batch size), ``ours_unweighted`` (``weight=None``), ``plain`` (Adam on every
+micro-batch), ``fwd_bwd`` (forward and backward only), ``seeds_manual`` (seeds 000/001:
+zero, accumulate, apply ``cache / k`` in three kinds of run), ``tensorpack``
+(``AccumGradOptimizer``) and ``horovod`` (``backward_passes_per_step``, one process).
+A peer is one trainer function plus one ``ROWS`` entry; a model is one ``SETUPS`` entry.
+
+Per setup, one child times its rows side by side (the MLP also times ``a += b`` stream
+passes over as many floats as it has parameters: the floor), then measures every
+accumulating row's update against the full-batch update (SGD), and profiles ``ours``.
+One more child per row measures its memory (BFC allocator on, for TF's own peak).
+"""
+import importlib
+import importlib.util
+import statistics
+
+import harness
+
+SETUPS = {
+    "mlp10m": {"model": "mlp", "model_args": {}, "micro": 8, "k": 8, "floor": True,
+               "rows": ["ours", "ours_unweighted", "plain", "fwd_bwd", "seeds_manual", "tensorpack", "horovod"]},
+    "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
+            "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
+}
+ROUNDS = {False: {"mlp10m": 81, "cnn": 41, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
+SECONDS = {"mlp10m": 90, "cnn": 75, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
+ERROR_WINDOWS = {False: 10, True: 4}
+ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod")
+LABELS = {
+    "ours": "gradaccum `GradientAccumulator`, weight = micro-batch size",
+    "ours_unweighted": "gradaccum, `weight=None`",
+    "plain": "plain Adam on every micro-batch (no accumulation)",
+    "fwd_bwd": "forward + backward only (no update)",
+    "seeds_manual": "seeds' manual zero / accumulate / apply",
+    "tensorpack": "tensorpack `AccumGradOptimizer`",
+    "horovod": "Horovod `backward_passes_per_step`, 1 process",
+}
+
+
+def seeds_manual(model_fn, images, labels, k, make_optimizer, global_step):
+    """Seed 000's pattern: ``zero`` run, k ``accumulate`` runs, ``apply(cache / k)`` run."""
+    tf = harness._tf()
+    loss = model_fn(images, labels)
+    opt = make_optimizer()
+    pairs = [(g, v) for g, v in opt.compute_gradients(loss) if g is not None]
+    caches = [tf.compat.v1.Variable(tf.zeros(v.shape, v.dtype.base_dtype), trainable=False) for _, v in pairs]
+    zero = tf.group(*[tf.compat.v1.assign(c, tf.zeros_like(c)) for c in caches])
+    with tf.control_dependencies(harness.update_ops()):
+        accumulate = tf.group(*[tf.compat.v1.assign_add(c, g) for c, (g, _) in zip(caches, pairs)])
+    apply = opt.apply_gradients([(c / float(k), v) for c, (_, v) in zip(caches, pairs)], global_step)
+    return harness.Window([zero], accumulate, [apply])
+
+
+def tensorpack(model_fn, images, labels, k, make_optimizer, global_step):
+    """tensorpack's ``AccumGradOptimizer`` (it counts its own micro-steps; no global_step)."""
+    from tensorpack.tfutils.optimizer import AccumGradOptimizer
+
+    tf = harness._tf()
+    loss = model_fn(images, labels)
+    with tf.control_dependencies(harness.update_ops()):
+        return harness.Window([], AccumGradOptimizer(make_optimizer(), k).minimize(loss), [])
+
+
+def horovod(model_fn, images, labels, k, make_optimizer, global_step):
+    """Horovod's ``DistributedOptimizer(backward_passes_per_step=k)`` on one process."""
+    import horovod.tensorflow as hvd
+
+    tf = harness._tf()
+    hvd.init()
+    loss = model_fn(images, labels)
+    optimizer = hvd.DistributedOptimizer(make_optimizer(), backward_passes_per_step=k)
+    with tf.control_dependencies(harness.update_ops()):
+        return harness.Window([], optimizer.minimize(loss, global_step=global_step), [])
+
+
+ROWS = {"ours": harness.ours, "ours_unweighted": harness.ours_unweighted, "plain": harness.plain,
+        "fwd_bwd": harness.fwd_bwd, "seeds_manual": seeds_manual, "tensorpack": tensorpack, "horovod": horovod}
+IMPORTS = {"tensorpack": "tensorpack.tfutils.optimizer", "horovod": "horovod.tensorflow"}
+
+
+def unavailable(row):
+    """Why ``row`` cannot run here (a one-line reason), or None."""
+    module = IMPORTS.get(row)
+    if module is None:
+        return None
+    if importlib.util.find_spec(row) is None:
+        return "%s is not installed" % row
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # An installed but broken package is a reason, not a crash.
+        return "importing %s failed: %s" % (module, " ".join(str(exc).split())[:200])
+    return None
+
+
+def plan(quick):
+    """The children: one timing child per setup, a oneDNN-off CNN child, one memory child per MLP row."""
+    specs = [{"kind": "time", "setup": name, "rounds": ROUNDS[quick][name], "error_windows": ERROR_WINDOWS[quick]}
+             for name in SETUPS]
+    specs.append({"kind": "time", "setup": "cnn", "tag": "onednn_off", "rows": ["ours", "plain"],
+                  "rounds": ROUNDS[quick]["onednn_off"], "error_windows": 0,
+                  "env": {"TF_ENABLE_ONEDNN_OPTS": "0"}})
+    # Memory per row on the MLP only: the CNN's 0.4 MB of parameters make every row alike there.
+    specs += [{"kind": "memory", "setup": "mlp10m", "row": row, "env": {"TF_CPU_ALLOCATOR_USE_BFC": "true"}}
+              for row in SETUPS["mlp10m"]["rows"] if row != "fwd_bwd"
+              and (row not in IMPORTS or importlib.util.find_spec(row) is not None)]  # Not installed: no child.
+    return specs
+
+
+def _setup(spec):
+    setup = dict(SETUPS[spec["setup"]], **spec.get("override", {}))
+    if "rows" in spec:
+        setup["rows"] = spec["rows"]
+    return setup
+
+
+def _build(row, setup, **kwargs):
+    return harness.build_bench(row, setup["model"], ROWS[row], setup["micro"], setup["k"], setup["model_args"],
+                               **kwargs)
+
+
+def measure(spec):
+    """Runs one child's share (see ``plan``); returns plain JSON data."""
+    setup = _setup(spec)
+    if spec["kind"] == "memory":
+        reason = unavailable(spec["row"])
+        return {"skipped": reason} if reason else harness.measure_memory(_build(spec["row"], setup))
+    skipped = dict((row, unavailable(row)) for row in setup["rows"] if unavailable(row))
+    benches = [_build(row, setup) for row in setup["rows"] if row not in skipped]
+    params = harness.trainable_floats(benches[0].session.graph)
+    extra = [harness.stream_bench(params), harness.numpy_stream_bench(params)] if setup.get("floor") else []
+    try:
+        times = harness.time_side_by_side(benches + extra, spec["rounds"],
+                                          max_seconds=SECONDS[spec.get("tag") or spec["setup"]])
+        named = dict((bench.name, bench) for bench in benches)
+        profiled = setup.get("floor") and "ours" in named and "fwd_bwd" in named
+        steps = harness.profile_window(named["ours"]) if profiled else None
+        base = harness.profile_window(named["fwd_bwd"], 1)[0] if profiled else None
+    finally:
+        harness.close(benches + extra)
+    errors = {}
+    for row in [r for r in setup["rows"] if r in ACCUMULATORS and r not in skipped and spec["error_windows"]]:
+        bench = _build(row, setup, optimizer="sgd", reference=True)
+        errors[row] = harness.update_errors(bench, spec["error_windows"])
+        bench.session.close()
+    return {"setup": spec["setup"], "tag": spec.get("tag"), "micro": setup["micro"], "k": setup["k"],
+            "model": setup["model"], "model_args": setup["model_args"], "params": params, "times": times,
+            "skipped": skipped, "errors": errors, "variable_bytes": dict((b.name, b.variable_bytes) for b in benches),
+            "profile": {"steps": steps, "fwd_bwd": base} if steps else None}
+
+
+def _floor(result):
+    """Floor figures of a setup timed with the stream benches (per round, then medians)."""
+    times, k, params = result["times"], result["k"], result["params"]
+    bandwidth = harness.stream_bandwidth_gbs(times, params)
+    bytes_per_step = 4.0 * params * (3 + 2.0 / k)  # Accumulate: read g, read+write cache; scale once per k.
+    floors = [bytes_per_step / (gbs * 1e9) for gbs in bandwidth]
+    overheads = [(a - b) / f for a, b, f in zip(times["ours"], times["fwd_bwd"], floors)]
+    return {"stream_bandwidth_gbs": statistics.median(bandwidth), "floor_ms": statistics.median(floors) * 1e3,
+            "floor_bytes_per_micro_step": bytes_per_step,
+            "mlp10m_overhead_over_floor": statistics.median(overheads),
+            "mlp10m_overhead_over_floor_ci95": list(harness.median_ci95(overheads)),
+            "mlp10m_overhead_ms": statistics.median(a - b for a, b in zip(times["ours"], times["fwd_bwd"])) * 1e3,
+            "mlp10m_fwd_bwd_ms": statistics.median(times["fwd_bwd"]) * 1e3,
+            "stream_tf_gbs": statistics.median(harness.stream_bandwidth_gbs(times, params, ["stream"])),
+            "stream_numpy_gbs": statistics.median(harness.stream_bandwidth_gbs(times, params, ["stream_numpy"]))}
+
+
+def _rows(result, memory):
+    """The ``peers`` JSON rows of one setup."""
+    rows = []
+    for row in SETUPS[result["setup"]]["rows"] if result["setup"] in SETUPS else result["times"]:
+        mem = memory.get((result["setup"], row), {})
+        ratio, ci = harness.ratio_with_ci(result["times"], row, "ours")
+        errors = result["errors"].get(row)
+        rows.append({"name": row, "model": result["setup"], "label": LABELS.get(row, row),
+                     "skipped": result["skipped"].get(row) or mem.get("skipped"),
+                     "ms_per_micro_step": statistics.median(result["times"][row]) * 1e3 if row in result["times"]
+                     else None, "time_ratio": ratio, "time_ratio_ci95": ci,
+                     "max_rel_error_vs_full_batch": max(errors) if errors else None,
+                     "rel_errors_by_window": errors, "peak_rss_bytes": mem.get("peak_rss_bytes"),
+                     "tf_peak_bytes": mem.get("tf_peak_bytes"),
+                     "variable_bytes": result["variable_bytes"].get(row, mem.get("variable_bytes"))})
+    return rows
+
+
+def _profile_account(profile, k, top=12):
+    """Ops of ``ours`` per accumulate step (mean of steps 1..k-1) and at the applying step, beside fwd+bwd."""
+    def table(entries):
+        return dict(((scope, kind), ms) for scope, kind, ms in entries)
+
+    steps = [table(step) for step in profile["steps"]]
+    accumulate = dict((key, sum(s.get(key, 0.0) for s in steps[:-1]) / (k - 1)) for key in set().union(*steps[:-1]))
+    apply, base = steps[-1], table(profile["fwd_bwd"])
+    keys = sorted(set(accumulate) | set(apply), key=lambda key: -(accumulate.get(key, 0) + apply.get(key, 0) / k))
+    return [{"scope": scope, "op": kind, "fwd_bwd_ms": base.get((scope, kind), 0.0),
+             "accumulate_step_ms": accumulate.get((scope, kind), 0.0),
+             "applying_step_ms": apply.get((scope, kind), 0.0)}
+            for scope, kind in keys[:top]] + [{
+                "scope": "(all ops)", "op": "sum", "fwd_bwd_ms": sum(base.values()),
+                "accumulate_step_ms": sum(accumulate.values()), "applying_step_ms": sum(apply.values())}]
+
+
+def _mb(value):
+    return "n/a" if value is None else "%.0f MB" % (value / harness.MB)
+
+
+def _markdown(setup, rows, result):
+    header = ["training", "ms / micro-step", "time / ours (95% CI)", "max rel. error vs full batch",
+              "peak RSS", "TF peak (BFC)", "variables"]
+    cells = []
+    for row in rows:
+        if row["time_ratio"] is None:
+            cells.append([row["label"], "skipped: %s" % row["skipped"] if row["skipped"] else "not measured",
+                          "", "", "", "", ""])
+            continue
+        ci = row["time_ratio_ci95"]
+        cells.append([row["label"], harness.fmt(row["ms_per_micro_step"], 2),
+                      "%s (%s-%s)" % (harness.fmt(row["time_ratio"]), harness.fmt(ci[0]), harness.fmt(ci[1])),
+                      "%.2g" % row["max_rel_error_vs_full_batch"] if row["max_rel_error_vs_full_batch"] is not None
+                      else "-", _mb(row["peak_rss_bytes"]), _mb(row["tf_peak_bytes"]), _mb(row["variable_bytes"])])
+    model = ("MLP 784-2048-2048-2048-10 (%.1fM parameters)" % (result["params"] / 1e6) if setup == "mlp10m"
+             else "the example's CNN (width %d)" % result["model_args"].get("width", 16))
+    return ["### Peers: %s, micro-batch %d, k = %d" % (model, result["micro"], result["k"]), "",
+            "Time: median of %d interleaved rounds, ratio = median of per-round ratios. Error: the largest, over %d "
+            "windows, of |update - full-batch update| / |full-batch update| (SGD, global norm)."
+            % (len(result["times"]["ours"]), len((result["errors"].get("ours") or [0]))), ""] + \
+        harness.markdown_table(header, cells)
+
+
+def _profile_markdown(account, k):
+    header = ["scope", "op", "fwd+bwd step, ms", "accumulate step, ms", "applying step, ms"]
+    cells = [[a["scope"], a["op"], harness.fmt(a["fwd_bwd_ms"], 2), harness.fmt(a["accumulate_step_ms"], 2),
+              harness.fmt(a["applying_step_ms"], 2)] for a in account]
+    return ["### Where the time goes: ours on the 10M MLP, op by op (RunMetadata step stats)", "",
+            "Op time summed by top-level scope and op type; accumulate step = mean of micro-steps 1..%d, "
+            "applying step = micro-step %d. Traced runs are slower than untraced ones: compare within a column."
+            % (k - 1, k), ""] + harness.markdown_table(header, cells)
+
+
+def summarize(results):
+    """JSON keys and markdown of the peers family (``results`` in ``plan`` order, each with its ``spec``)."""
+    memory = dict(((r["spec"]["setup"], r["spec"]["row"]), r) for r in results if r["spec"]["kind"] == "memory")
+    timed = dict(((r["setup"], r.get("tag")), r) for r in results if r["spec"]["kind"] == "time")
+    keys, lines, peers = {}, [], []
+    for (setup, tag), result in sorted(timed.items(), key=lambda item: (item[0][0] != "mlp10m", str(item[0][1]))):
+        if tag:
+            continue
+        rows = _rows(result, memory)
+        peers += rows
+        lines += _markdown(setup, rows, result) + [""]
+        if result.get("params") and "fwd_bwd" in result["times"]:
+            keys.update(_floor(result))
+            keys["mlp10m_weighted_over_unweighted_time"], keys["mlp10m_weighted_over_unweighted_time_ci95"] = \
+                harness.ratio_with_ci(result["times"], "ours", "ours_unweighted")
+            keys["fused_over_plain_time_mlp10m"] = harness.ratio_with_ci(result["times"], "ours", "plain")[0]
+        if result.get("profile"):
+            keys["mlp10m_profile"] = _profile_account(result["profile"], result["k"])
+            lines += _profile_markdown(keys["mlp10m_profile"], result["k"]) + [""]
+    for tag, suffix in ((None, ""), ("onednn_off", "_onednn_off")):
+        if ("cnn", tag) in timed:
+            keys["fused_over_plain_time" + suffix], keys["fused_over_plain_time%s_ci95" % suffix] = \
+                harness.ratio_with_ci(timed[("cnn", tag)]["times"], "ours", "plain")
+    keys["peers"] = peers
+    return keys, lines

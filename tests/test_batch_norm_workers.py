@@ -1,0 +1,169 @@
+"""Tests for gradaccum.collective.synchronized_batch_norm: batch norm over every worker's batch.
+
+The multi-process tests run ``tests/bn_worker_child.py`` under
+``gradaccum.launch`` on loopback (two workers, uneven batches of 5 and 3
+examples, float64) and compare every worker's variables with one process
+training on the union of the workers' micro-batches: the TF layer and the
+plain optimizer for k = 1, ``gradaccum.batch_normalization`` under a plain
+``GradientAccumulator`` for k = 2 (window statistics). The same runs without
+the scope must not match. The single-process tests check the errors and that
+one worker (or ``None``) leaves the layer as it is.
+"""
+import contextlib
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import bn_worker_child as child
+import gradaccum
+from gradaccum import cluster, launch, tower
+from test_distributed import _Job, _assert_gone
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bn_worker_child.py")
+_SIZES = [5, 3]
+_STEPS = 3
+_RUN_TIMEOUT = 100
+UPDATE_OPS = tf.compat.v1.GraphKeys.UPDATE_OPS
+
+
+def _config(workers=2, index=0, ps=0, job="worker"):
+    """A task's config; nothing listens on its ports (graph building only)."""
+    spec = launch.build_cluster(workers, ps, "127.0.0.1", list(range(4001, 4001 + workers + ps)))
+    return cluster.parse_tf_config(launch.tf_config_for(spec, job, index))
+
+
+# ------------------------------------------------------------ one process
+
+
+def test_bad_config_or_timeout_is_one_clear_error():
+    with pytest.raises(TypeError, match=r"^`config` must be a gradaccum.cluster.ClusterConfig or None, "
+                                        r"got 'worker:0'$"):
+        cluster.synchronized_batch_norm("worker:0")
+    with pytest.raises(ValueError, match=r"^`config` must be a chief or worker task's \(ps tasks take no part "
+                                         r"in collectives\), got ps:0$"):
+        cluster.synchronized_batch_norm(_config(2, 0, ps=1, job="ps"))
+    with pytest.raises(ValueError, match=r"`timeout_seconds` must be None or a finite number > 0, got 0"):
+        cluster.synchronized_batch_norm(None, timeout_seconds=0)
+    assert gradaccum.synchronized_batch_norm is cluster.synchronized_batch_norm
+    assert gradaccum.collective.synchronized_batch_norm is cluster.synchronized_batch_norm
+
+
+def _graph(config, training=True):
+    """A training-mode layer and its gradient; returns ``(graph, [(name, op type, device)])``."""
+    graph = tf.Graph()
+    scope = contextlib.ExitStack() if config == "outside" else cluster.synchronized_batch_norm(config)
+    with graph.as_default(), scope:
+        x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+        y = gradaccum.batch_normalization(x, training)
+        tf.gradients(tf.reduce_sum(y ** 3), [x] + tf.compat.v1.trainable_variables())
+    return graph, [(node.name, node.op, node.device) for node in graph.as_graph_def().node]
+
+
+@pytest.mark.parametrize("config", [None, _config(1)], ids=["none", "one-worker"])
+def test_one_worker_is_the_plain_layer_op_for_op(config):
+    _, want = _graph("outside")
+    _, got = _graph(config)
+    assert got == want
+    assert not any(op == "CollectiveReduce" for _, op, _ in got)
+
+
+def test_two_workers_sum_on_the_worker_cpu_forwards_and_backwards_and_not_in_inference():
+    graph, nodes = _graph(_config(2, index=1))
+    collectives = [node for node in graph.as_graph_def().node if node.op == "CollectiveReduce"]
+    assert len(collectives) == 4  # Sums and count, sums of squares; and their gradients.
+    for node in collectives:
+        assert node.device == "/job:worker/replica:0/task:1/device:CPU:0"
+        assert node.attr["group_size"].i == 2
+        assert node.attr["group_key"].i == gradaccum.collective.GROUP_KEY
+    keys = sorted(node.attr["instance_key"].i for node in collectives)
+    assert keys == list(range(keys[0], keys[0] + 4)) and keys[0] > 1 << 24  # Apart from CollectiveAllReduce's.
+    _, inference = _graph(_config(2, index=1), training=False)
+    assert not any(op == "CollectiveReduce" for _, op, _ in inference)
+
+
+def test_several_towers_inside_the_scope_are_refused():
+    with tf.Graph().as_default(), cluster.synchronized_batch_norm(_config(2)):
+        x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+        with pytest.raises(ValueError, match=r"`gradaccum.batch_normalization` cannot synchronize 2 towers "
+                                             r"inside `synchronized_batch_norm` \(2 workers\)"):
+            tower.minimize(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                           lambda x: tf.reduce_mean(gradaccum.batch_normalization(x, True)), [x],
+                           devices=["/cpu:0", "/cpu:1"])
+
+
+# ------------------------------------------------------------ several processes
+
+
+@tf.autograph.experimental.do_not_convert
+def _tf_layer(inputs, training, **kwargs):
+    return tf.compat.v1.layers.batch_normalization(inputs, training=training, **kwargs)
+
+
+def _reference(k, opt):
+    """One process on the union of the workers' micro-batches: every variable after training."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float64, [None, child.FEATURES])
+        y = tf.compat.v1.placeholder(tf.int32, [None])
+        step = tf.compat.v1.train.get_or_create_global_step()
+        if k == 1:  # The TF layer and the plain optimizer.
+            loss = child.model(x, y, _tf_layer)
+            with tf.control_dependencies(tf.compat.v1.get_collection(UPDATE_OPS)):
+                train_op = child.OPTIMIZERS[opt]().minimize(loss, global_step=step)
+        else:  # Window statistics: our layer under a one-process accumulator.
+            loss = child.model(x, y, gradaccum.batch_normalization)
+            train_op = gradaccum.GradientAccumulator(child.OPTIMIZERS[opt](), k).minimize(
+                loss, global_step=step, weight=tf.shape(x)[0])
+        variables = tf.compat.v1.global_variables()
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for window in child.batches(_SIZES, k, _STEPS):
+                for micro in window:
+                    sess.run(train_op, {x: np.concatenate([part[0] for part in micro]),
+                                        y: np.concatenate([part[1] for part in micro])})
+            return dict((v.op.name.replace("/", "__"), value) for v, value in zip(variables, sess.run(variables)))
+
+
+def _workers(tmp_path, k, opt, sync):
+    """Runs the two workers; returns each worker's variables."""
+    out = str(tmp_path / ("sync" if sync else "local"))
+    command = [sys.executable, "-m", "gradaccum.launch", "--workers", "2", "--", sys.executable, _CHILD,
+               "--out", out, "--k", str(k), "--opt", opt, "--steps", str(_STEPS),
+               "--sizes", ",".join(map(str, _SIZES))] + ([] if sync else ["--no-sync"])
+    job = _Job(2, None, command=command)
+    status = job.wait(_RUN_TIMEOUT)
+    _assert_gone(job.pids | {job.process.pid})
+    assert status == 0, job.text()[1][-3000:]
+    return [dict(np.load("%s_%d.npz" % (out, rank))) for rank in range(2)]
+
+
+def _compared(reference):
+    return sorted(key for key in reference if key in ("dense0", "dense1", "global_step") or key.endswith(
+        ("__gamma", "__beta", "__moving_mean", "__moving_variance")))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("k, opt", [(1, "sgd"), (2, "adam")])
+def test_workers_with_uneven_batches_equal_one_process_on_the_union(k, opt, tmp_path):
+    """Trainable variables and moving statistics of every worker: those of one process on the union.
+
+    Teeth: without the scope (each worker's own statistics) they are far off.
+    """
+    reference = _reference(k, opt)
+    keys = _compared(reference)
+    assert len(keys) == 11 and reference["global_step"] == _STEPS
+    synced = _workers(tmp_path, k, opt, sync=True)
+    for rank, got in enumerate(synced):
+        for key in keys:
+            np.testing.assert_allclose(got[key], reference[key], rtol=1e-9, atol=1e-12,
+                                       err_msg="worker %d: %s" % (rank, key))
+    for key in synced[0]:  # Every variable, optimizer slots and windows included: equal copies.
+        np.testing.assert_allclose(synced[1][key], synced[0][key], rtol=1e-12, atol=1e-15, err_msg=key)
+    local = _workers(tmp_path, k, opt, sync=False)
+    for key in ("batch_normalization__moving_mean", "batch_normalization__moving_variance", "dense0"):
+        off = np.max(np.abs(local[0][key] - reference[key])) / np.max(np.abs(reference[key]))
+        assert off > 1e-2, (key, off)
