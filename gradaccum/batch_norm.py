@@ -453,10 +453,12 @@ def _add_statistics(layer, mean, moving_variance_value, count, m2, inputs=None):
 
 def _assign_moving_average(variable, value, decay):
     """``variable -= (variable - value) * decay``, the TF layer's update (decay 0: unchanged, even for NaN)."""
-    with tf.compat.v1.name_scope("AssignMovingAvg") as scope, tf.compat.v1.colocate_with(variable.op):
-        dtype = variable.dtype.base_dtype
-        delta = tf.math.multiply_no_nan(variable - tf.cast(value, dtype), decay)
-        return tf.compat.v1.assign_sub(variable, delta, name=scope)
+    # Nested, not one ``with a, b:``: vermin reads that as 3.9's parenthesized form.
+    with tf.compat.v1.name_scope("AssignMovingAvg") as scope:
+        with tf.compat.v1.colocate_with(variable.op):
+            dtype = variable.dtype.base_dtype
+            delta = tf.math.multiply_no_nan(variable - tf.cast(value, dtype), decay)
+            return tf.compat.v1.assign_sub(variable, delta, name=scope)
 
 
 def _when(condition, decay):
@@ -570,14 +572,19 @@ class WindowStatistics(object):
         """``(count, mean, m2)``, created on first use (only under an accumulator)."""
         if self._state is None:
             layer = self._layer
-            with tf.compat.v1.init_scope(), tf.compat.v1.colocate_with(layer.moving_mean.op), \
-                    tf.compat.v1.name_scope(layer.scope.name + "/"):
-                zeros = tf.zeros([layer.channels], tf.float64)  # float64: a mean far from 0 keeps its digits.
-                self._state = (
-                    tf.compat.v1.Variable(tf.zeros([], tf.float64), trainable=False, name="window_count"),
-                    tf.compat.v1.Variable(zeros, trainable=False, name="window_mean"),
-                    tf.compat.v1.Variable(zeros, trainable=False, name="window_m2"))
+            with tf.compat.v1.init_scope():
+                with tf.compat.v1.colocate_with(layer.moving_mean.op):
+                    with tf.compat.v1.name_scope(layer.scope.name + "/"):
+                        self._state = _window_variables(layer.channels)
         return self._state
+
+
+def _window_variables(channels):
+    """``(count, mean, m2)`` in float64: a mean far from 0 keeps its digits."""
+    zeros = tf.zeros([channels], tf.float64)
+    return (tf.compat.v1.Variable(tf.zeros([], tf.float64), trainable=False, name="window_count"),
+            tf.compat.v1.Variable(zeros, trainable=False, name="window_mean"),
+            tf.compat.v1.Variable(zeros, trainable=False, name="window_m2"))
 
 
 def _masked(value, training):
