@@ -622,8 +622,6 @@ def _moving_mean_and_conv1(training):
     return moving_mean, graph.get_tensor_by_name("model/conv1/Conv2D:0")
 
 
-@pytest.mark.skipif(not hasattr(example.gradaccum, "batch_normalization"),
-                    reason="gradaccum.batch_normalization (issue 19) is not there yet")
 def test_window_batch_norm_moves_once_per_update_from_the_whole_window():
     rng = np.random.RandomState(1)
     with tf.Graph().as_default():
