@@ -20,6 +20,13 @@ built, so that they sum their statistics over every worker (one tower per
 worker: inside the scope a layer refuses a ``tower.minimize`` of several
 towers).
 
+Under the collective engine every group key is resolved by one leader for
+the whole job, while each worker's towers are a group of their own: a
+:class:`TowerGroup` built for worker ``r`` offsets its group key by
+``r << 16`` (``tower.minimize`` reads ``r`` from a
+``gradaccum.cluster.CollectiveAllReduce`` in its optimizer), so that two
+workers' towers never claim the same group.
+
 Variables: none. Collections: ``"gradaccum_collective_keys"``, a graph
 collection holding one Python int, the last collective key handed out in
 this graph (so that group and instance keys never repeat within a graph);
@@ -32,6 +39,8 @@ from gradaccum._compat import tf
 COLLECTIVE_KEYS = "gradaccum_collective_keys"
 # Far from the small keys tf.distribute hands out, so that both can share a process.
 _FIRST_KEY = 1 << 24
+# A worker's towers' group key is offset by rank * _WORKER_STRIDE (keys stay int32 up to rank 32511).
+_WORKER_STRIDE = 1 << 16
 
 _STATE = threading.local()
 
@@ -96,15 +105,19 @@ class TowerGroup(object):
       devices: the towers' device strings, in tower order.
       sizes: each tower's shard size (Python ints or scalar int tensors).
       graph: the graph the towers are built in; the default graph when None.
+      worker: this process's rank in a collective job (0 otherwise); it
+        offsets the group key, which the job's leader resolves for every
+        worker.
 
     Example:
       >>> group = TowerGroup(["/gpu:0", "/gpu:1"], [64, 63])
     """
 
-    def __init__(self, devices, sizes, graph=None):
+    def __init__(self, devices, sizes, graph=None, worker=0):
         self.graph = graph or tf.compat.v1.get_default_graph()
         self.devices = list(devices)
         self.sizes = list(sizes)
+        self._worker = worker
         self._group_key = None
         self._records = []
         self._calls = [0] * len(self.devices)
@@ -113,7 +126,7 @@ class TowerGroup(object):
     def group_key(self):
         """The collective group key of these towers' devices (handed out on first use)."""
         if self._group_key is None:
-            self._group_key = next_collective_key(self.graph)
+            self._group_key = next_collective_key(self.graph) + self._worker * _WORKER_STRIDE
         return self._group_key
 
     @property

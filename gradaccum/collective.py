@@ -229,6 +229,11 @@ class CollectiveAllReduce(WrappingOptimizer):
         return self._size
 
     @property
+    def worker_rank(self):
+        """This process's index among the workers (0 for one process)."""
+        return self._rank
+
+    @property
     def all_reduces_per_update(self):
         """All-reduce ops one update runs (after the train op is built)."""
         return self._all_reduces

@@ -138,7 +138,8 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     with tf.compat.v1.name_scope(name) as scope:
         min_batch = len(devices) if update_ops == "all" else 1
         batch_size, sizes, shards = _split(_check_inputs(inputs), len(devices), min_batch)
-    group = _tower_context.TowerGroup(devices, sizes)  # What synchronized layers see (batch_norm.py).
+    # What synchronized layers see (batch_norm.py).
+    group = _tower_context.TowerGroup(devices, sizes, worker=_worker_rank(optimizer))
     towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group)
     chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), None: []}[update_ops]
     weights = _check_weights(sizes, len(devices))
@@ -318,6 +319,17 @@ def _device_function(compute_device, variables_device):
         return target.make_merged_spec(tf.compat.v1.DeviceSpec.from_string(op.device or "")).to_string()
 
     return choose
+
+
+def _worker_rank(optimizer):
+    """The rank a ``CollectiveAllReduce`` in the optimizer chain reduces for, else 0."""
+    while optimizer is not None:
+        rank = getattr(optimizer, "worker_rank", None)
+        if isinstance(rank, int):
+            return rank
+        # TF's loss-scale optimizer keeps the one it wraps in `_optimizer`.
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+    return 0
 
 
 def _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group):

@@ -94,6 +94,28 @@ def test_several_towers_inside_the_scope_are_refused():
                            devices=["/cpu:0", "/cpu:1"])
 
 
+def _tower_group_keys(config):
+    """Group keys of the towers' batch-norm collectives, two CPU towers, under ``config``'s engine."""
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+        optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        if config is not None:
+            optimizer = gradaccum.GradientAccumulator(cluster.CollectiveAllReduce(optimizer, config), 2)
+        tower.minimize(optimizer, lambda x: tf.reduce_mean(gradaccum.batch_normalization(x, True)), [x],
+                       devices=["/cpu:0", "/cpu:1"])
+    return sorted(set(node.attr["group_key"].i for node in graph.as_graph_def().node
+                      if node.op == "CollectiveReduce" and node.attr["group_size"].i == 2
+                      and node.attr["group_key"].i != gradaccum.collective.GROUP_KEY))
+
+
+def test_each_workers_towers_are_a_collective_group_of_their_own():
+    """The job's leader resolves every group key: two workers' towers must not share one."""
+    plain = _tower_group_keys(None)
+    assert len(plain) == 1 and plain[0] > 1 << 24
+    assert _tower_group_keys(_config(2, index=0)) == plain
+    assert _tower_group_keys(_config(2, index=1)) == [plain[0] + (1 << 16)]
+
+
 # ------------------------------------------------------------ several processes
 
 
@@ -127,11 +149,11 @@ def _reference(k, opt):
             return dict((v.op.name.replace("/", "__"), value) for v, value in zip(variables, sess.run(variables)))
 
 
-def _workers(tmp_path, k, opt, sync):
-    """Runs the two workers; returns each worker's variables."""
-    out = str(tmp_path / ("sync" if sync else "local"))
+def _workers(tmp_path, k, opt, sync, towers=1):
+    """Runs the two workers (``towers`` CPU towers each); returns each worker's variables."""
+    out = str(tmp_path / ("%s_%d" % ("sync" if sync else "local", towers)))
     command = [sys.executable, "-m", "gradaccum.launch", "--workers", "2", "--", sys.executable, _CHILD,
-               "--out", out, "--k", str(k), "--opt", opt, "--steps", str(_STEPS),
+               "--out", out, "--k", str(k), "--opt", opt, "--steps", str(_STEPS), "--towers", str(towers),
                "--sizes", ",".join(map(str, _SIZES))] + ([] if sync else ["--no-sync"])
     job = _Job(2, None, command=command)
     status = job.wait(_RUN_TIMEOUT)
@@ -167,3 +189,20 @@ def test_workers_with_uneven_batches_equal_one_process_on_the_union(k, opt, tmp_
     for key in ("batch_normalization__moving_mean", "batch_normalization__moving_variance", "dense0"):
         off = np.max(np.abs(local[0][key] - reference[key])) / np.max(np.abs(reference[key]))
         assert off > 1e-2, (key, off)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_two_towers_per_worker_equal_one_tower_per_worker(tmp_path):
+    """Outside the scope each worker normalises over its own batch, whether on one tower or two.
+
+    Before each worker's towers got a group key of their own, worker 1's
+    towers joined worker 0's group at the leader, and both workers failed.
+    """
+    one = _workers(tmp_path, 2, "adam", sync=False, towers=1)
+    two = _workers(tmp_path, 2, "adam", sync=False, towers=2)
+    for rank in range(2):
+        assert sorted(two[rank]) == sorted(one[rank])
+        for key in one[rank]:
+            np.testing.assert_allclose(two[rank][key], one[rank][key], rtol=1e-9, atol=1e-12,
+                                       err_msg="worker %d: %s" % (rank, key))
