@@ -119,6 +119,9 @@ def in_control_flow(graph=None):
 # last after the batch): rank 4 only up to TF 2.4, ranks 4 and 5 from TF 2.5
 # (tensorflow/tensorflow#48115).
 FUSED_BATCH_NORM_RANKS = (4, 5) if TF_VERSION >= (2, 5) else (4,)
+# TF 1.15's collective group leader crashes (SIGSEGV) when the devices of one
+# worker form a group of their own beside the workers' group.
+TOWER_GROUPS_BESIDE_WORKERS = TF_VERSION >= (2, 0)
 
 
 def add_control_inputs(op, inputs):

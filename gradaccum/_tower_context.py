@@ -108,16 +108,18 @@ class TowerGroup(object):
       worker: this process's rank in a collective job (0 otherwise); it
         offsets the group key, which the job's leader resolves for every
         worker.
+      workers: the number of workers in that job (1 otherwise).
 
     Example:
       >>> group = TowerGroup(["/gpu:0", "/gpu:1"], [64, 63])
     """
 
-    def __init__(self, devices, sizes, graph=None, worker=0):
+    def __init__(self, devices, sizes, graph=None, worker=0, workers=1):
         self.graph = graph or tf.compat.v1.get_default_graph()
         self.devices = list(devices)
         self.sizes = list(sizes)
         self._worker = worker
+        self.workers = workers
         self._group_key = None
         self._records = []
         self._calls = [0] * len(self.devices)

@@ -373,13 +373,8 @@ def _peers(inputs, layer, context):
     """The :class:`_Peers` of this call: the towers or the workers; ``None`` when alone."""
     workers = _tower_context.current_workers()
     if context is not None and context.group.count > 1:
-        if workers is not None:
-            # Tried (one group over every tower of every worker): it deadlocked intermittently
-            # on TF 2.21, so it is refused rather than left to hang.
-            raise ValueError("`gradaccum.batch_normalization` cannot synchronize %d towers inside "
-                             "`synchronized_batch_norm` (%d workers): build one tower per worker process "
-                             "(call %s)" % (context.group.count, workers.size, layer.scope.name))
         group = context.group
+        _check_towers_can_sync(group, workers, layer)
         record = group.next_record(context.index, layer.scope.name)
         weight = tf.cast(context.size, layer.param_dtype, name="tower_weight")
         return _Peers(group.count, group.group_key, record, context.index == 0, weight)
@@ -388,6 +383,21 @@ def _peers(inputs, layer, context):
     record = _tower_context.LayerRecord(tf.compat.v1.get_default_graph())
     weight = tf.cast(tf.shape(inputs)[0], layer.param_dtype, name="worker_weight")
     return _Peers(workers.size, workers.group_key, record, True, weight, workers.device, workers.timeout_seconds)
+
+
+def _check_towers_can_sync(group, workers, layer):
+    """Refuses the tower groups that hang or crash, in one line naming the layer."""
+    if workers is not None:
+        # Tried (one group over every tower of every worker): it deadlocked intermittently
+        # on TF 2.21, so it is refused rather than left to hang.
+        raise ValueError("`gradaccum.batch_normalization` cannot synchronize %d towers inside "
+                         "`synchronized_batch_norm` (%d workers): build one tower per worker process "
+                         "(call %s)" % (group.count, workers.size, layer.scope.name))
+    if group.workers > 1 and not _compat.TOWER_GROUPS_BESIDE_WORKERS:
+        raise ValueError("`gradaccum.batch_normalization` cannot synchronize %d towers of each of %d "
+                         "collective workers on TensorFlow %s (its collective leader crashes): use "
+                         "TensorFlow 2.x, one tower per worker, or tf.compat.v1.layers.batch_normalization "
+                         "(call %s)" % (group.count, group.workers, tf.__version__, layer.scope.name))
 
 
 def _train_synced(inputs, layer, peers):

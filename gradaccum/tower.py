@@ -139,7 +139,8 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
         min_batch = len(devices) if update_ops == "all" else 1
         batch_size, sizes, shards = _split(_check_inputs(inputs), len(devices), min_batch)
     # What synchronized layers see (batch_norm.py).
-    group = _tower_context.TowerGroup(devices, sizes, worker=_worker_rank(optimizer))
+    rank, workers = _collective_worker(optimizer)
+    group = _tower_context.TowerGroup(devices, sizes, worker=rank, workers=workers)
     towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group)
     chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), None: []}[update_ops]
     weights = _check_weights(sizes, len(devices))
@@ -321,15 +322,15 @@ def _device_function(compute_device, variables_device):
     return choose
 
 
-def _worker_rank(optimizer):
-    """The rank a ``CollectiveAllReduce`` in the optimizer chain reduces for, else 0."""
+def _collective_worker(optimizer):
+    """``(rank, workers)`` of a ``CollectiveAllReduce`` in the optimizer chain, else ``(0, 1)``."""
     while optimizer is not None:
         rank = getattr(optimizer, "worker_rank", None)
         if isinstance(rank, int):
-            return rank
+            return rank, optimizer.num_workers
         # TF's loss-scale optimizer keeps the one it wraps in `_optimizer`.
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-    return 0
+    return 0, 1
 
 
 def _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group):
