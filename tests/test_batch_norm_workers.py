@@ -135,7 +135,7 @@ def _tf_layer(inputs, training, **kwargs):
     return tf.compat.v1.layers.batch_normalization(inputs, training=training, **kwargs)
 
 
-def _reference(k, opt):
+def _reference(k, opt, sizes=tuple(_SIZES)):
     """One process on the union of the workers' micro-batches: every variable after training."""
     graph = tf.Graph()
     with graph.as_default():
@@ -153,19 +153,19 @@ def _reference(k, opt):
         variables = tf.compat.v1.global_variables()
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            for window in child.batches(_SIZES, k, _STEPS):
+            for window in child.batches(sizes, k, _STEPS):
                 for micro in window:
                     sess.run(train_op, {x: np.concatenate([part[0] for part in micro]),
                                         y: np.concatenate([part[1] for part in micro])})
             return dict((v.op.name.replace("/", "__"), value) for v, value in zip(variables, sess.run(variables)))
 
 
-def _workers(tmp_path, k, opt, sync, towers=1):
+def _workers(tmp_path, k, opt, sync, towers=1, sizes=tuple(_SIZES)):
     """Runs the two workers (``towers`` CPU towers each); returns each worker's variables."""
     out = str(tmp_path / ("%s_%d" % ("sync" if sync else "local", towers)))
     command = [sys.executable, "-m", "gradaccum.launch", "--workers", "2", "--", sys.executable, _CHILD,
                "--out", out, "--k", str(k), "--opt", opt, "--steps", str(_STEPS), "--towers", str(towers),
-               "--sizes", ",".join(map(str, _SIZES))] + ([] if sync else ["--no-sync"])
+               "--sizes", ",".join(map(str, sizes))] + ([] if sync else ["--no-sync"])
     job = _Job(2, None, command=command)
     status = job.wait(_RUN_TIMEOUT)
     _assert_gone(job.pids | {job.process.pid})
@@ -200,6 +200,19 @@ def test_workers_with_uneven_batches_equal_one_process_on_the_union(k, opt, tmp_
     for key in ("batch_normalization__moving_mean", "batch_normalization__moving_variance", "dense0"):
         off = np.max(np.abs(local[0][key] - reference[key])) / np.max(np.abs(reference[key]))
         assert off > 1e-2, (key, off)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("k, opt", [(1, "sgd"), (2, "adam")])
+def test_a_worker_with_an_empty_batch_contributes_nothing(k, opt, tmp_path):
+    """Worker 1 runs every micro-batch with 0 examples: both workers equal one process on worker 0's data."""
+    sizes = (5, 0)
+    reference = _reference(k, opt, sizes)
+    for rank, got in enumerate(_workers(tmp_path, k, opt, sync=True, sizes=sizes)):
+        for key in _compared(reference):
+            np.testing.assert_allclose(got[key], reference[key], rtol=1e-9, atol=1e-12,
+                                       err_msg="worker %d: %s" % (rank, key))
 
 
 @pytest.mark.distributed
