@@ -130,3 +130,21 @@ def load_data(args, log):
         return idx_data.load_dataset(args.data_dir, download=not args.offline, log=log)
     except ValueError as exc:
         fail(exc)
+
+
+def prepare(parse_args, argv=None, log=print):
+    """Parses the flags and loads the data, as a small-model example starts.
+
+    Args:
+      parse_args: the script's flag parser, called with ``argv``.
+      argv: the arguments, without the program name.
+      log: called with the one-line description of the data.
+
+    Returns:
+      ``(args, data)``: the flags and an ``idx_data.Dataset``.
+
+    Example:
+      >>> args, data = prepare(parse_args, ["--train-examples", "2000"])
+    """
+    args = parse_args(argv)
+    return args, load_data(args, log)

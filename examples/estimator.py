@@ -63,22 +63,6 @@ def parse_args(argv=None):
     return _cli.parse_checked(parser, argv)
 
 
-def prepare(argv=None, log=print):
-    """Parses the flags and loads the data, before TensorFlow is imported.
-
-    Args:
-      argv: the arguments, without the program name.
-      log: called with the one-line description of the data.
-
-    Returns:
-      ``(args, data)``: the flags and an ``idx_data.Dataset``.
-
-    Example:
-      >>> args, data = prepare(["--train-examples", "2000"])
-    """
-    args = parse_args(argv)
-    return args, _cli.load_data(args, log)
-
 
 with _quiet.native_stderr(VERBOSE):
     import tensorflow as tf  # noqa: E402
@@ -155,7 +139,7 @@ def main(args, data):
       0.
 
     Example:
-      >>> sys.exit(main(*prepare()))
+      >>> sys.exit(main(*_cli.prepare(parse_args)))
     """
     if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf2":
         tf.compat.v1.disable_eager_execution()
@@ -185,7 +169,7 @@ def main(args, data):
 if __name__ == "__main__":
     if TF_VERSION >= (2, 16) or getattr(tf, "estimator", None) is None:
         fail("%s (this is TensorFlow %s); use examples/keras_fit.py or a session loop" % (NEEDS, tf.__version__))
-    ARGS, DATA = prepare()
+    ARGS, DATA = _cli.prepare(parse_args)
     with _quiet.native_stderr(VERBOSE):
         STATUS = main(ARGS, DATA)
     sys.exit(STATUS)

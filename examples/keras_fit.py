@@ -65,25 +65,9 @@ def parse_args(argv=None):
     return _cli.parse_checked(parser, argv)
 
 
-def prepare(argv=None, log=print):
-    """Parses the flags and loads the data, before TensorFlow is imported.
-
-    Args:
-      argv: the arguments, without the program name.
-      log: called with the one-line description of the data.
-
-    Returns:
-      ``(args, data)``: the flags and an ``idx_data.Dataset``.
-
-    Example:
-      >>> args, data = prepare(["--train-examples", "2000"])
-    """
-    args = parse_args(argv)
-    return args, _cli.load_data(args, log)
-
 
 if __name__ == "__main__":
-    ARGS, DATA = prepare()
+    ARGS, DATA = _cli.prepare(parse_args)
 
 with _quiet.native_stderr(VERBOSE):
     import tensorflow as tf  # noqa: E402
@@ -184,7 +168,7 @@ def main(args, data):
       0.
 
     Example:
-      >>> sys.exit(main(*prepare()))
+      >>> sys.exit(main(*_cli.prepare(parse_args)))
     """
     random.seed(args.seed)  # tf-keras draws initialiser seeds from Python's random under TF2 behaviour
     if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf2":
