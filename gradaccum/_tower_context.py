@@ -71,15 +71,12 @@ class LayerRecord(object):
     Attributes:
       keys: dict of collective instance keys, by purpose (``"sum"``, ...).
       first: whatever the first tower's call stored (``None`` until then).
-      followers: the later towers' tensors that the first tower's update
-        must wait for (so that running it alone runs every tower's part).
     """
 
     def __init__(self, graph):
         self._graph = graph
         self.keys = {}
         self.first = None
-        self.followers = []
 
     def key(self, purpose):
         """The instance key for ``purpose``, the same in every tower.

@@ -10,6 +10,29 @@ from gradaccum import _validate
 from gradaccum._compat import tf
 
 
+def optimizer_chain(optimizer):
+    """Yields ``optimizer`` and each optimizer it wraps, outermost first, each once.
+
+    Follows ``optimizer`` (ours) or ``_optimizer`` (ours, and TF's loss-scale
+    optimizers); a chain that leads back to an optimizer already seen ends.
+
+    Args:
+      optimizer: any object; ``None`` yields nothing.
+
+    Yields:
+      The optimizers of the chain.
+
+    Example:
+      >>> [type(o).__name__ for o in optimizer_chain(GradientAccumulator(AdamOptimizer(1e-3), 4))]
+      ['GradientAccumulator', 'AdamOptimizer']
+    """
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        yield optimizer
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+
+
 class WrappingOptimizer(tf.compat.v1.train.Optimizer):
     """A ``tf.compat.v1.train.Optimizer`` that forwards to a wrapped one.
 

@@ -51,7 +51,7 @@ from gradaccum import hooks
 from gradaccum import statistics as _statistics
 from gradaccum._compat import in_control_flow, is_resource_variable, tf, v1_control_flow
 from gradaccum._window import split_update_ops
-from gradaccum._wrapper import WrappingOptimizer
+from gradaccum._wrapper import WrappingOptimizer, optimizer_chain
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.
@@ -769,11 +769,8 @@ def _skips_nonfinite(optimizer):
     (and lowers its loss scale); its class names differ between TF 1.15's
     ``tf.train.experimental``, contrib and ``tf.compat.v1.mixed_precision``.
     """
-    while optimizer is not None:
-        if any(cls.__name__.endswith("LossScaleOptimizer") for cls in type(optimizer).__mro__):
-            return True
-        optimizer = getattr(optimizer, "_optimizer", None)
-    return False
+    return any(cls.__name__.endswith("LossScaleOptimizer")
+               for wrapped in optimizer_chain(optimizer) for cls in type(wrapped).__mro__)
 
 
 def _all_finite(grads_and_vars):

@@ -532,8 +532,8 @@ class Heartbeat(object):
                 return
 
 
-# The engines' names, where users look for them. Imported last: both modules
-# import this one.
+# The engines' names, where users look for them. Imported last: ingraph
+# imports this module.
 from gradaccum.collective import AllReduceOnApply  # noqa: E402,F401
 from gradaccum.collective import CollectiveAllReduce  # noqa: E402,F401
 from gradaccum.collective import broadcast_variables  # noqa: E402,F401

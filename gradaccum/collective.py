@@ -56,7 +56,6 @@ from gradaccum import _tower_context
 from gradaccum import _validate
 from gradaccum._compat import collective_broadcast, collective_sum, tf, v1_control_flow
 from gradaccum._wrapper import WrappingOptimizer
-from gradaccum.cluster import check_seconds
 
 GROUP_KEY = 0x6761
 """The collective group key of the compute tasks (chief and workers)."""
@@ -100,6 +99,7 @@ def collective_session_config(config, base=None):
       A new ``tf.compat.v1.ConfigProto``.
 
     Raises:
+      TypeError: for ``config=None`` (one process needs no config).
       ValueError: for a ps task.
 
     Example:
@@ -107,6 +107,8 @@ def collective_session_config(config, base=None):
       >>> server = cluster.start_server(config, proto)
       >>> sess = tf.compat.v1.Session(server.target, config=proto)
     """
+    if config is None:
+        raise TypeError("`config` must be a gradaccum.cluster.ClusterConfig of a chief or worker task, got None")
     _, _, leader = _group(config)
     proto = tf.compat.v1.ConfigProto()
     if base is not None:
@@ -218,7 +220,7 @@ class CollectiveAllReduce(WrappingOptimizer):
         super(CollectiveAllReduce, self).__init__(optimizer, name)  # Checks `optimizer` and `name`.
         self._size, self._rank, _ = _group(config)
         self._config = config
-        self._timeout = None if timeout_seconds is None else check_seconds(timeout_seconds, "timeout_seconds")
+        self._timeout = _validate.check_positive_number(timeout_seconds, "timeout_seconds")
         self._buffer_bytes = _validate.check_positive_int(buffer_bytes, "buffer_bytes")
         self._all_reduces = 0
         self._bytes = 0
@@ -451,7 +453,7 @@ def broadcast_variables(config, variables=None, *, timeout_seconds=None, buffer_
       >>> sess.run(cluster.broadcast_variables(config))
     """
     size, rank, _ = _group(config)
-    timeout = None if timeout_seconds is None else check_seconds(timeout_seconds, "timeout_seconds")
+    timeout = _validate.check_positive_number(timeout_seconds, "timeout_seconds")
     buffer_bytes = _validate.check_positive_int(buffer_bytes, "buffer_bytes")
     variables = tf.compat.v1.global_variables() if variables is None else list(variables)
     for var in variables:
@@ -514,7 +516,7 @@ def synchronized_batch_norm(config, *, timeout_seconds=None):
       ...     train_op = opt.minimize(loss, global_step=global_step, weight=tf.shape(images)[0])
     """
     size, _, _ = _group(config)
-    timeout = None if timeout_seconds is None else check_seconds(timeout_seconds, "timeout_seconds")
+    timeout = _validate.check_positive_number(timeout_seconds, "timeout_seconds")
     if size == 1:
         return _tower_context.WorkerScope(1, None, None)
     # The workers' CPUs are exactly the devices of GROUP_KEY's group: the same group, other instance

@@ -22,7 +22,7 @@ import time
 
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.cluster import DEFAULT_HEARTBEAT_SECONDS, ClusterError, Heartbeat, _reachable
+from gradaccum.cluster import DEFAULT_HEARTBEAT_SECONDS, ClusterError, Heartbeat, _reachable, check_seconds
 
 _DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 
@@ -204,7 +204,8 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
         may stay silent (stopped, or its host lost) before this task fails.
 
     Raises:
-      ValueError: when ``config`` is the chief's.
+      TypeError: for a timeout that is not a number.
+      ValueError: when ``config`` is the chief's, or for a timeout <= 0.
       ClusterError: one line when the chief went away without the stop signal,
         never came up, or stopped answering.
 
@@ -214,6 +215,9 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
     """
     if config.is_chief:
         raise ValueError("`config` must be a non-chief task's, got the chief %s" % config.task_name)
+    # Checked here, under their own names: the Heartbeat below gets their sum.
+    startup_timeout_seconds = check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
+    heartbeat_timeout_seconds = check_seconds(heartbeat_timeout_seconds, "heartbeat_timeout_seconds")
     deadline = time.time() + startup_timeout_seconds
     options = tf.compat.v1.RunOptions(timeout_in_ms=int(poll_seconds * 1000))
     failures = []

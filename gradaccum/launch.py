@@ -188,7 +188,7 @@ class NoiseFilter(object):
     """
 
     def __init__(self):
-        self._after = b""  # What the previous line was: b"", b"noise", b"instructions".
+        self._after = b""  # What the previous line was: b"", b"noise", b"warning", b"instructions".
 
     def __call__(self, line):
         """Returns True when ``line`` (bytes, with or without newline) is to be printed."""

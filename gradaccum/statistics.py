@@ -49,6 +49,7 @@ import numbers
 
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum._wrapper import optimizer_chain
 
 DEFAULT_DECAY = 0.99
 """Decay of the moving averages: about the last 100 windows count."""
@@ -429,16 +430,13 @@ def learning_rate(optimizer):
       >>> learning_rate(tf.compat.v1.train.AdamOptimizer(1e-3))
       <tf.Tensor 'Cast:0' shape=() dtype=float32>
     """
-    seen = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
+    for wrapped in optimizer_chain(optimizer):
         for attr in ("_learning_rate", "_lr"):
-            value = getattr(optimizer, attr, None)
+            value = getattr(wrapped, attr, None)
             if callable(value) and not isinstance(value, (tf.Tensor, tf.Variable)):
                 value = value()
             if value is not None:
                 return tf.cast(value, tf.float32)
-        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
     return None
 
 

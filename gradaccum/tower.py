@@ -27,6 +27,7 @@ from gradaccum import _compat
 from gradaccum import _tower_context
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum._wrapper import optimizer_chain
 from gradaccum.accumulator import GradientAccumulator
 
 TowerTraining = collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])
@@ -324,12 +325,9 @@ def _device_function(compute_device, variables_device):
 
 def _collective_worker(optimizer):
     """``(rank, workers)`` of a ``CollectiveAllReduce`` in the optimizer chain, else ``(0, 1)``."""
-    while optimizer is not None:
-        rank = getattr(optimizer, "worker_rank", None)
-        if isinstance(rank, int):
-            return rank, optimizer.num_workers
-        # TF's loss-scale optimizer keeps the one it wraps in `_optimizer`.
-        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+    for wrapped in optimizer_chain(optimizer):
+        if isinstance(getattr(wrapped, "worker_rank", None), int):
+            return wrapped.worker_rank, wrapped.num_workers
     return 0, 1
 
 

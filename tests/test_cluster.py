@@ -214,6 +214,12 @@ def test_serve_fails_in_one_line_when_the_chief_never_comes_up():
                                 "timeout" % chief_port}
     with pytest.raises(ValueError, match=r"`config` must be a non-chief task's, got the chief worker:0"):
         cluster.serve(None, _config(config.cluster, "worker", 0))
+    worker = _config(config.cluster, "worker", 1)
+    with pytest.raises(ValueError, match=r"^`heartbeat_timeout_seconds` must be None or a finite number > 0, "
+                                         r"got 0$"):
+        cluster.serve(None, worker, heartbeat_timeout_seconds=0)
+    with pytest.raises(TypeError, match=r"^`startup_timeout_seconds` must be a number of seconds > 0, got None$"):
+        cluster.serve(None, worker, startup_timeout_seconds=None)
 
 
 def test_wait_for_tasks_names_the_missing_task():

@@ -58,6 +58,9 @@ def test_collective_session_config_names_the_leader_and_only_this_task():
     assert with_chief.experimental.collective_group_leader == "/job:chief/replica:0/task:0"
     with pytest.raises(ValueError, match=r"`config` must be a chief or worker task's .*, got ps:0"):
         cluster.collective_session_config(_config(2, "ps", ps=1))
+    with pytest.raises(TypeError, match=r"^`config` must be a gradaccum.cluster.ClusterConfig of a chief or "
+                                        r"worker task, got None$"):
+        cluster.collective_session_config(None)
 
 
 def test_bad_arguments_are_one_clear_line():
