@@ -185,7 +185,17 @@ def _collective_timeout(function, timeout_seconds):
     return {"timeout": float(timeout_seconds)}
 
 
-def collective_sum(tensor, group_size, group_key, instance_key, timeout_seconds=None):
+def _on_device(device):
+    """``tf.device(device)``; for None no scope at all (``tf.device(None)`` would clear the caller's)."""
+    return contextlib.nullcontext() if device is None else tf.device(device)
+
+
+def _placed(tensor, device):
+    """``tensor``, copied onto ``device`` when one is named: TF 1.15 checks that a collective's input is placed."""
+    return tensor if device is None else tf.identity(tensor)
+
+
+def collective_sum(tensor, group_size, group_key, instance_key, timeout_seconds=None, device=None):
     """Sums ``tensor`` over the ``group_size`` devices that run the same keys.
 
     TensorFlow's collective all-reduce (``CollectiveReduce``), between the
@@ -202,6 +212,9 @@ def collective_sum(tensor, group_size, group_key, instance_key, timeout_seconds=
       timeout_seconds: None, or how long the op may wait before it fails
         with ``DeadlineExceededError`` (TF 2.x; ignored on TF 1.15, whose
         collectives have no timeout).
+      device: None (the enclosing device scope), or the device that runs the
+        op and a copy of its input, whatever device scope is active (a
+        gradient is built where the optimizer differentiates).
 
     Returns:
       The elementwise sum over the group.
@@ -211,10 +224,11 @@ def collective_sum(tensor, group_size, group_key, instance_key, timeout_seconds=
     """
     ops = _collective_ops()
     extra = _collective_timeout(ops.all_reduce, timeout_seconds)
-    return ops.all_reduce(tensor, group_size, group_key, instance_key, "Add", "Id", **extra)
+    with _on_device(device):
+        return ops.all_reduce(_placed(tensor, device), group_size, group_key, instance_key, "Add", "Id", **extra)
 
 
-def collective_broadcast(tensor, send, group_size, group_key, instance_key, timeout_seconds=None):
+def collective_broadcast(tensor, send, group_size, group_key, instance_key, timeout_seconds=None, device=None):
     """Sends ``tensor`` from this task (``send``) or receives one of its shape and dtype.
 
     Args:
@@ -225,6 +239,7 @@ def collective_broadcast(tensor, send, group_size, group_key, instance_key, time
       group_key: int identifying the group.
       instance_key: int identifying this broadcast; the same on every task.
       timeout_seconds: as in :func:`collective_sum`.
+      device: as in :func:`collective_sum`.
 
     Returns:
       The sender's value, on every task.
@@ -234,8 +249,10 @@ def collective_broadcast(tensor, send, group_size, group_key, instance_key, time
     """
     ops = _collective_ops()
     shape, dtype = tensor.shape, tensor.dtype.base_dtype
-    if send:
-        extra = _collective_timeout(ops.broadcast_send, timeout_seconds)
-        return ops.broadcast_send(tensor, shape, dtype, group_size, group_key, instance_key, **extra)
-    extra = _collective_timeout(ops.broadcast_recv, timeout_seconds)
-    return ops.broadcast_recv(shape, dtype, group_size, group_key, instance_key, **extra)
+    with _on_device(device):
+        if send:
+            extra = _collective_timeout(ops.broadcast_send, timeout_seconds)
+            return ops.broadcast_send(_placed(tensor, device), shape, dtype, group_size, group_key, instance_key,
+                                      **extra)
+        extra = _collective_timeout(ops.broadcast_recv, timeout_seconds)
+        return ops.broadcast_recv(shape, dtype, group_size, group_key, instance_key, **extra)

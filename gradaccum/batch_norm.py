@@ -360,13 +360,7 @@ class _Peers(object):
 
     def all_reduce(self, value, key):
         """``value`` summed over the group; between workers on this worker's CPU."""
-        if self.device is None:
-            return _compat.collective_sum(value, self.size, self.group_key, key)
-        # Placed whatever device scope is active (the gradient is built where the optimizer
-        # differentiates); the input too: TF 1.15 checks that every collective input is placed.
-        with tf.device(self.device):
-            return _compat.collective_sum(tf.identity(value), self.size, self.group_key, key,
-                                          self.timeout_seconds)
+        return _compat.collective_sum(value, self.size, self.group_key, key, self.timeout_seconds, self.device)
 
 
 def _peers(inputs, layer, context):

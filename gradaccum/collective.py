@@ -306,8 +306,8 @@ class CollectiveAllReduce(WrappingOptimizer):
 
     def _all_reduce(self, piece):
         self._bytes += piece.shape.num_elements() * piece.dtype.size
-        with tf.device(_device(self._config)):  # The input too: TF 1.15 checks that it is placed.
-            return collective_sum(tf.identity(piece), self._size, GROUP_KEY, next(_instance_keys), self._timeout)
+        return collective_sum(piece, self._size, GROUP_KEY, next(_instance_keys), self._timeout,
+                              device=_device(self._config))
 
     def reduce_window(self, sums_and_vars, weight):
         """Sums the window's local sums and weight over the workers (interface B).
@@ -465,9 +465,8 @@ def broadcast_variables(config, variables=None, *, timeout_seconds=None, buffer_
         return tf.no_op(name=name)
     with tf.compat.v1.name_scope(name):
         def exchange(piece):
-            with tf.device(_device(config)):
-                return collective_broadcast(tf.identity(piece), rank == 0, size, GROUP_KEY, next(_instance_keys),
-                                            timeout)
+            return collective_broadcast(piece, rank == 0, size, GROUP_KEY, next(_instance_keys), timeout,
+                                        device=_device(config))
 
         values, _ = _packed([tf.convert_to_tensor(var) for var in variables], buffer_bytes, exchange)
         if rank == 0:
