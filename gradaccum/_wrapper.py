@@ -33,6 +33,26 @@ def optimizer_chain(optimizer):
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
 
 
+def weighted(values, weight):
+    """``values * weight`` in ``values``' dtype (``IndexedSlices`` stay sparse); ``values`` for None.
+
+    Args:
+      values: a gradient, a ``tf.Tensor`` or ``tf.IndexedSlices``.
+      weight: None, or a scalar (any real dtype; cast to the values').
+
+    Returns:
+      The weighted gradient, of the same kind as ``values``.
+
+    Example:
+      >>> weighted(grad, tf.shape(x)[0])
+    """
+    if weight is None:
+        return values
+    if isinstance(values, tf.IndexedSlices):
+        return tf.IndexedSlices(weighted(values.values, weight), values.indices, values.dense_shape)
+    return values * tf.cast(weight, values.dtype.base_dtype)
+
+
 class WrappingOptimizer(tf.compat.v1.train.Optimizer):
     """A ``tf.compat.v1.train.Optimizer`` that forwards to a wrapped one.
 

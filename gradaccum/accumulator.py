@@ -51,7 +51,7 @@ from gradaccum import hooks
 from gradaccum import statistics as _statistics
 from gradaccum._compat import in_control_flow, is_resource_variable, tf, v1_control_flow
 from gradaccum._window import split_update_ops
-from gradaccum._wrapper import WrappingOptimizer, optimizer_chain
+from gradaccum._wrapper import WrappingOptimizer, optimizer_chain, weighted
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.
@@ -418,7 +418,7 @@ class GradientAccumulator(WrappingOptimizer):
                 with tf.control_dependencies(observed):
                     sums, total = pairs, None
                     if reducer is not None:
-                        sums = [(_weighted(g, weight), v) for g, v in pairs]
+                        sums = [(weighted(g, weight), v) for g, v in pairs]
                         total = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
                     elif weight is not None:
                         total = weight
@@ -673,7 +673,7 @@ def _add_gradient(slot, grad, weight):
     """One pass per dense gradient: ``cache += weight * grad`` in one kernel."""
     dtype = slot.accum.dtype.base_dtype
     if isinstance(grad, tf.IndexedSlices):
-        values = _weighted(tf.cast(grad.values, dtype), weight)
+        values = weighted(tf.cast(grad.values, dtype), weight)
         ones = tf.ones_like(grad.indices, dtype=dtype)
         return [tf.compat.v1.scatter_add(slot.accum, grad.indices, values),
                 tf.compat.v1.scatter_update(slot.touched, grad.indices, ones)]
@@ -685,15 +685,6 @@ def _add_gradient(slot, grad, weight):
     alpha = tf.negative(tf.cast(weight, dtype))
     return [tf.raw_ops.ResourceApplyGradientDescent(var=slot.accum.handle, alpha=alpha, delta=grad,
                                                     use_locking=False)]
-
-
-def _weighted(values, weight):
-    """``values * weight`` (``IndexedSlices`` stay sparse); ``values`` when ``weight`` is None."""
-    if weight is None:
-        return values
-    if isinstance(values, tf.IndexedSlices):
-        return tf.IndexedSlices(_weighted(values.values, weight), values.indices, values.dense_shape)
-    return values * tf.cast(weight, values.dtype.base_dtype)
 
 
 def _window_sums(state):

@@ -55,7 +55,7 @@ import itertools
 from gradaccum import _tower_context
 from gradaccum import _validate
 from gradaccum._compat import collective_broadcast, collective_sum, tf, v1_control_flow
-from gradaccum._wrapper import WrappingOptimizer
+from gradaccum._wrapper import WrappingOptimizer, weighted
 
 GROUP_KEY = 0x6761
 """The collective group key of the compute tasks (chief and workers)."""
@@ -398,10 +398,11 @@ class CollectiveAllReduce(WrappingOptimizer):
         outer = tf.compat.v1.get_default_graph().get_name_scope()
         with tf.compat.v1.name_scope(self._name):
             total = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
-            sums, total = self.reduce_window([(_scaled(g, total), v) for g, v in pairs], total)
+            sums, total = self.reduce_window([(weighted(g, total), v) for g, v in pairs], total)
 
             def apply():
-                averaged = [(_scaled(g, 1.0 / total), v) for g, v in sums]
+                inverse = 1.0 / total
+                averaged = [(weighted(g, inverse), v) for g, v in sums]
                 with tf.compat.v1.get_default_graph().name_scope(outer + "/" if outer else ""):
                     return tf.group(self.apply_reduced(averaged, global_step=global_step))
 
@@ -414,13 +415,6 @@ def _after(grad, op):
         if isinstance(grad, tf.IndexedSlices):
             return tf.IndexedSlices(tf.identity(grad.values), tf.identity(grad.indices), grad.dense_shape)
         return tf.identity(grad)
-
-
-def _scaled(grad, factor):
-    if isinstance(grad, tf.IndexedSlices):
-        values = grad.values * tf.cast(factor, grad.values.dtype.base_dtype)
-        return tf.IndexedSlices(values, grad.indices, dense_shape=grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype.base_dtype)
 
 
 def broadcast_variables(config, variables=None, *, timeout_seconds=None, buffer_bytes=DEFAULT_BUFFER_BYTES,
