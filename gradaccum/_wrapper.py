@@ -33,6 +33,26 @@ def optimizer_chain(optimizer):
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
 
 
+def state_variable(name, shape, dtype, colocate_with):
+    """A zero-initialised global, non-trainable resource variable next to ``colocate_with``.
+
+    Args:
+      name: the variable's name.
+      shape: its shape.
+      dtype: its dtype.
+      colocate_with: a variable or op to colocate it with.
+
+    Returns:
+      The new ``tf.Variable`` (in ``GLOBAL_VARIABLES``: checkpoints save it).
+
+    Example:
+      >>> count = state_variable("micro_step", [], tf.int64, var)
+    """
+    with tf.compat.v1.colocate_with(colocate_with):
+        return tf.compat.v1.Variable(lambda: tf.zeros(shape, dtype), dtype=dtype, trainable=False, name=name,
+                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES], use_resource=True)
+
+
 def weighted(values, weight):
     """``values * weight`` in ``values``' dtype (``IndexedSlices`` stay sparse); ``values`` for None.
 

@@ -51,7 +51,7 @@ from gradaccum import hooks
 from gradaccum import statistics as _statistics
 from gradaccum._compat import in_control_flow, is_resource_variable, tf, v1_control_flow
 from gradaccum._window import split_update_ops
-from gradaccum._wrapper import WrappingOptimizer, optimizer_chain, weighted
+from gradaccum._wrapper import WrappingOptimizer, optimizer_chain, state_variable, weighted
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.
@@ -160,7 +160,6 @@ class GradientAccumulator(WrappingOptimizer):
         self._skip_nonfinite = _validate.check_bool(skip_nonfinite, "skip_nonfinite")
         self._use_statistics = _validate.check_bool(statistics, "statistics")
         self._windows = []
-        self._statistics = None  # The latest window's; gradaccum.statistics reads it.
 
     # ------------------------------------------------------------------ API
 
@@ -302,7 +301,6 @@ class GradientAccumulator(WrappingOptimizer):
         if window.skipped_windows is not None or window.statistics is not None or self._clip_norm is not None:
             _reset_collection(graph, tf.compat.v1.GraphKeys.TRAIN_OP, train_ops_before + [window.train_op])
         self._windows.append(window)
-        self._statistics = window.statistics
         if self._k > 1 and global_step is not None:
             hooks.install_global_step_warning_filter()
         return window.train_op
@@ -430,7 +428,7 @@ class GradientAccumulator(WrappingOptimizer):
     def _create_direct_state(self, pairs, count):
         with tf.compat.v1.init_scope():
             first = min((var for _, var in pairs), key=lambda v: v.name)
-            skipped = _state_variable("skipped_windows", [], tf.int64, first) if count else None
+            skipped = state_variable("skipped_windows", [], tf.int64, first) if count else None
             stats = _statistics.create(pairs, _sum_dtype(pairs, None)) if self._use_statistics else None
         return skipped, stats
 
@@ -465,9 +463,9 @@ class GradientAccumulator(WrappingOptimizer):
             slots = [self._create_slot(var, grad) for grad, var in pairs]
             first = min((var for _, var in pairs), key=lambda v: v.name)
             sum_dtype = _sum_dtype(pairs, self._accumulation_dtype)
-            micro_step = _state_variable("micro_step", [], tf.int64, first)
-            weight_sum = _state_variable("weight_sum", [], sum_dtype, first)
-            skipped = _state_variable("skipped_windows", [], tf.int64, first)
+            micro_step = state_variable("micro_step", [], tf.int64, first)
+            weight_sum = state_variable("weight_sum", [], sum_dtype, first)
+            skipped = state_variable("skipped_windows", [], tf.int64, first)
             stats = _statistics.create(pairs, sum_dtype) if self._use_statistics else None
         return _State(slots, micro_step, weight_sum, skipped, stats)
 
@@ -479,10 +477,10 @@ class GradientAccumulator(WrappingOptimizer):
         dtype = _accumulator_dtype(var.dtype.base_dtype, self._accumulation_dtype)
         # Named from the root, as slots are: "<var>/<name>".
         with tf.compat.v1.get_default_graph().name_scope(""):
-            accum = _state_variable(var.op.name + "/" + self._name, shape, dtype, var)
+            accum = state_variable(var.op.name + "/" + self._name, shape, dtype, var)
             touched = None
             if isinstance(grad, tf.IndexedSlices):
-                touched = _state_variable(var.op.name + "/" + self._name + "_touched", shape[:1], dtype, var)
+                touched = state_variable(var.op.name + "/" + self._name + "_touched", shape[:1], dtype, var)
         return _Slot(var, accum, touched)
 
     def _finish_window(self, state, window_stats, global_step, outer_scope):
@@ -528,7 +526,7 @@ class GradientAccumulator(WrappingOptimizer):
         return checks[0] if len(checks) == 1 else tf.logical_and(checks[0], checks[1], name="usable")
 
     def _apply(self, sums, total, divide, global_step, outer_scope, done, skip, state):
-        averaged = _divided(sums, total) if divide else _divided(sums, None)
+        averaged = _divided(sums, total if divide else None)
         stats = state.stats
         # The wrapped loss-scale optimizer skips a non-finite window on its own;
         # the same test, on the same tensors, keeps the statistics out of it too.
@@ -577,13 +575,6 @@ def _check_graph_mode():
 def _reducer(optimizer):
     """The wrapped optimizer when it reduces windows across workers (interface B), else None."""
     return optimizer if callable(getattr(optimizer, "reduce_window", None)) else None
-
-
-def _state_variable(name, shape, dtype, colocate_with):
-    """A zero-initialised global, non-trainable resource variable next to ``colocate_with``."""
-    with tf.compat.v1.colocate_with(colocate_with):
-        return tf.compat.v1.Variable(lambda: tf.zeros(shape, dtype), dtype=dtype, trainable=False, name=name,
-                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES], use_resource=True)
 
 
 def _check_accumulation_dtype(dtype):

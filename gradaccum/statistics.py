@@ -49,7 +49,7 @@ import numbers
 
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum._wrapper import optimizer_chain
+from gradaccum._wrapper import optimizer_chain, state_variable
 
 DEFAULT_DECAY = 0.99
 """Decay of the moving averages: about the last 100 windows count."""
@@ -120,8 +120,8 @@ class GradientStatistics(object):
         self._names = frozenset(var.name for var in variables)
         first = min(variables, key=lambda v: v.name)
         with tf.compat.v1.name_scope("statistics"):
-            self._vars = dict((name, _variable(name, self._dtype, first)) for name in _WINDOW + _LAST + _SMOOTHED)
-            self._vars["windows"] = _variable("windows", tf.int64, first)
+            self._vars = dict((name, state_variable(name, [], self._dtype, first)) for name in _WINDOW + _LAST + _SMOOTHED)
+            self._vars["windows"] = state_variable("windows", [], tf.int64, first)
 
     # ---------------------------------------------------------- the estimates
 
@@ -248,8 +248,7 @@ class GradientStatistics(object):
         Args:
           averaged_grads: the window's averaged gradients (before clipping).
           window_weight: the weight the window's sums were divided by (summed
-            over workers when reduced): a scalar tensor, a variable (read
-            here), or ``None`` (the small batches' weights, one worker).
+            over workers when reduced): a scalar tensor, or ``None`` (the small batches' weights, one worker).
 
         Returns:
           An op; it reads the small batches' sums, so it must run after the
@@ -266,8 +265,6 @@ class GradientStatistics(object):
             count = v["small_batches"].read_value()
             if window_weight is None:
                 window_weight = weight
-            elif isinstance(window_weight, tf.Variable):
-                window_weight = window_weight.read_value()
             window_weight = tf.cast(window_weight, self._dtype)
             small = tf.math.divide_no_nan(small_total, weight)
             estimate = _estimate(big, small, weight, count, window_weight)
@@ -298,25 +295,18 @@ class GradientStatistics(object):
 
     def _moving(self, estimate):
         """New values of the smoothed and total variables (unchanged when ``estimate`` is not valid)."""
-        v, decay = self._vars, self._decay
+        decay = self._decay
+        old = dict((name, self._vars[name].read_value()) for name in _SMOOTHED)  # One read each.
         new = {}
         for name, value in (("ema_gradient_sq", estimate.gradient_sq), ("ema_noise_trace", estimate.noise_trace),
                             ("ema_weight", tf.ones([], self._dtype))):
-            new[name] = decay * v[name].read_value() + (1 - decay) * value
-        new["total_gradient_sq"] = v["total_gradient_sq"].read_value() + estimate.gradient_sq
-        new["total_noise_trace"] = v["total_noise_trace"].read_value() + estimate.noise_trace
-        return dict((name, tf.compat.v1.where(estimate.valid, value, v[name].read_value()))
-                    for name, value in new.items())
+            new[name] = decay * old[name] + (1 - decay) * value
+        new["total_gradient_sq"] = old["total_gradient_sq"] + estimate.gradient_sq
+        new["total_noise_trace"] = old["total_noise_trace"] + estimate.noise_trace
+        return dict((name, tf.compat.v1.where(estimate.valid, value, old[name])) for name, value in new.items())
 
 
 # -------------------------------------------------------------- helpers
-
-
-def _variable(name, dtype, colocate_with):
-    """A zero scalar: global, non-trainable, resource, next to ``colocate_with``."""
-    with tf.compat.v1.colocate_with(colocate_with):
-        return tf.compat.v1.Variable(lambda: tf.zeros([], dtype), dtype=dtype, trainable=False, name=name,
-                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES], use_resource=True)
 
 
 def _estimate(big, small, weight, count, window_weight):
