@@ -408,9 +408,9 @@ def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, mi
     for bench in benches:
         for _ in range(warmup):
             bench.run_window()
-    times, start = dict((bench.name, []) for bench in benches), time.perf_counter()
+    times, begin = dict((bench.name, []) for bench in benches), time.perf_counter()
     for index in range(rounds):
-        if max_seconds is not None and index >= min_rounds and time.perf_counter() - start > max_seconds:
+        if max_seconds is not None and index >= min_rounds and time.perf_counter() - begin > max_seconds:
             break
         shift = index % len(benches)
         for bench in benches[shift:] + benches[:shift]:

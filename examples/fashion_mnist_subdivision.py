@@ -195,7 +195,7 @@ def parse_args(argv=None):
                                    _workers.cluster_size())
     if shares is not None:
         fail(shares)
-    elif args.logdir is not None:
+    elif args.no_subdivisions and args.logdir is not None:
         fail("`--logdir` %r: the summaries come from the accumulator, which --no-subdivisions leaves out"
              % args.logdir)
     if args.epochs is None and args.max_steps is None:

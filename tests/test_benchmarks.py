@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,9 @@ def test_time_side_by_side_rotates_the_order_and_respects_its_time_budget():
     assert order == ["a", "b", "b", "a", "a", "b"] and [len(times[n]) for n in "ab"] == [3, 3]
     assert all(t >= 0 for t in times["a"] + times["b"])
     assert len(harness.time_side_by_side(benches, rounds=50, warmup=0, max_seconds=0.0, min_rounds=2)["a"]) == 2
+    # The budget is the whole run's: 10 ms per round, so about 5 of 50 rounds fit in 0.05 s (not each bench's).
+    slow = [harness.Bench("s", None, lambda feeds=None: time.sleep(0.01), 1, [], None, None, 0)]
+    assert len(harness.time_side_by_side(slow, rounds=50, warmup=0, max_seconds=0.05, min_rounds=1)["s"]) < 50
 
 
 def test_stream_bandwidth_counts_read_read_write_and_takes_the_faster_bench():

@@ -31,6 +31,7 @@ sys.path.insert(0, EXAMPLES)
 
 import fashion_mnist_subdivision as example  # noqa: E402
 import idx_data  # noqa: E402
+from test_statistics import _events  # noqa: E402
 
 EPOCH_LINE = re.compile(r"^epoch (\d+): step (\d+), learning rate \S+, train loss (\d+\.\d{4}), test loss \d+\.\d{4}, "
                         r"test accuracy ([01]\.\d{4}), \d+\.\d s, peak memory \d+ MB$")
@@ -330,6 +331,7 @@ def test_defaults_and_batch_fitting():
     assert (args.batch_size, args.subdivisions, args.max_steps, args.epochs) == (5000, 50, 120, None)
     assert (args.learning_rate, args.warmup_updates, args.bn_stats, args.json) == (0.003, 10, None, None)
     assert example.parse_args(["--epochs", "2"]).max_steps is None
+    assert example.parse_args(["--logdir", "/tmp/runs"]).logdir == "/tmp/runs"
     notices = []
     assert example.fit_batch_to_data(example.parse_args([]), 1500, notices.append).batch_size == 1500
     assert example.fit_batch_to_data(example.parse_args(["--subdivisions", "7", "--batch-size", "5005"]),
@@ -378,6 +380,8 @@ def _truncated_dir(tmp_path):
     (lambda p: ["--bn-stats", "both"], r"argument --bn-stats: invalid choice: 'both' \(choose from '?window'?, "),
     (lambda p: ["--json", str(p / "no" / "s.json")], r"`--json` '.*s.json': directory '.*no' does not exist$"),
     (lambda p: ["--bogus"], r"unrecognized arguments: --bogus$"),
+    (lambda p: ["--no-subdivisions", "--logdir", str(p)],
+     r"`--logdir` '.*': the summaries come from the accumulator, which --no-subdivisions leaves out$"),
     (lambda p: ["--data-dir", str(p / "absent")], r"`--data-dir` '.*absent' is not a directory$"),
     (lambda p: ["--data-dir", str(p)], r"`data_dir` \(--data-dir\) '.*' does not hold Fashion-MNIST: missing "
                                        r"train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "),
@@ -456,6 +460,16 @@ def test_verbose_lets_tensorflow_speak(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     noise = [line for line in proc.stderr.splitlines() if not PROGRESS_LINE.match(line)]
     assert noise, proc.stderr  # TensorFlow's own lines, whatever the version prints.
+
+
+def test_logdir_writes_the_accumulators_summaries_once_per_update(tmp_path):
+    write_fashion(tmp_path / "data", num_train=20, num_test=10)
+    proc = run_script(["--data-dir", str(tmp_path / "data"), "--width", "1", "--batch-size", "20",
+                       "--subdivisions", "2", "--max-steps", "2", "--logdir", str(tmp_path / "runs")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = _events(tmp_path / "runs")
+    assert events["gradaccum/effective_batch"] == [(1, 20.0), (2, 20.0)]
+    assert [step for step, _ in events["gradaccum/noise_scale"]] == [1, 2]
 
 
 def test_end_to_end_fallback_plain_full_batch_on_two_towers(tmp_path):
