@@ -20,7 +20,7 @@ def _version():
     return scope["__version__"]
 
 
-_EXAMPLES = ["progressbar2>=3.50", "scikit-learn>=0.24", "psutil>=5.6", "matplotlib>=3.3"]
+_EXAMPLES = ["scikit-learn>=0.24", "matplotlib>=3.3"]
 
 setup(
     name="gradaccum",
@@ -36,7 +36,7 @@ setup(
     extras_require={
         "tf": ["tensorflow>=2.15", "tf-keras>=2.15"],
         # tf-slim: tests/test_integrations.py (TF 2.x; TF 1.15 has tf.contrib.slim, and it installs there too).
-        "test": ["pytest>=6", "pytest-timeout>=1.4", "tf-slim>=1.1"] + _EXAMPLES,
+        "test": ["pytest>=6", "pytest-timeout>=1.4", "tf-slim>=1.1", "psutil>=5.6"] + _EXAMPLES,
         "examples": _EXAMPLES,
         "bench": ["tensorpack>=0.11", "psutil>=5.6"],
     },
