@@ -20,12 +20,13 @@ summaries without training. Bad input: one line, exit status 2.
 Example:
   python examples/compare_batches.py --epochs 10 --out-dir docs
 """
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+
+from _cli import OneLineParser, fail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "fashion_mnist_subdivision.py")
@@ -35,24 +36,6 @@ RUNS = [
     ("full", "5,000 at once", ["--batch-size", "5000", "--no-subdivisions"]),
     ("small", "100, no accumulation", ["--batch-size", "100", "--no-subdivisions"]),
 ]
-
-
-def fail(message):
-    """Prints one line on stderr and exits with status 2.
-
-    Args:
-      message: the error, naming the flag in backticks.
-
-    Example:
-      >>> fail("`--epochs` must be an int >= 1, got 0")
-    """
-    sys.stderr.write("compare_batches.py: error: %s\n" % message)
-    sys.exit(2)
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message)
 
 
 def parse_args(argv=None):
@@ -67,7 +50,7 @@ def parse_args(argv=None):
     Example:
       >>> args, rest = parse_args(["--epochs", "2", "--width", "8"])
     """
-    parser = _OneLineParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=10, help="epochs of every run (default 10)")
     parser.add_argument("--warmup-updates", type=int, default=10,
                         help="warm-up of the 5,000 runs, in updates; the small batch's is 50 times longer")
@@ -223,8 +206,11 @@ def main(argv=None):
                 return
             fail("no summary %r to read: train run %r first" % (path, name))
         if name not in trained:
-            with open(path) as handle:
-                trained[name] = json.load(handle)
+            try:
+                with open(path) as handle:
+                    trained[name] = json.load(handle)
+            except ValueError as exc:
+                fail("summary %r cannot be read: %s" % (path, exc))
         results.append((name, label, trained[name]))
     plot(results, os.path.join(args.out_dir, "compare_batches.png"))
     with open(os.path.join(args.out_dir, "compare_batches.md"), "w") as handle:

@@ -721,6 +721,12 @@ def test_compare_batches_same_examples_and_replot(tmp_path):
     assert proc.returncode == 2 and proc.stderr == (
         "compare_batches.py: error: no summary %r to read: train run 'full' first\n"
         % str(tmp_path / "compare_full.json"))
+    (tmp_path / "compare_full.json").write_text("{not json")
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "compare_batches.py"), "--replot", "--out-dir",
+                           str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "compare_batches.py: error: summary %r cannot be read: " % str(tmp_path / "compare_full.json"))
+    assert len(proc.stderr.splitlines()) == 1
 
 
 # ------------------------------------------------------------ collective workers
