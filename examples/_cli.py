@@ -148,3 +148,21 @@ def prepare(parse_args, argv=None, log=print):
     """
     args = parse_args(argv)
     return args, load_data(args, log)
+
+
+def graph_mode(tf):
+    """Enters graph mode as ``GRADACCUM_TF_MODE`` says: TF1 behaviour (default) or TF2's (``tf2``).
+
+    ``tf2`` disables eager execution only, so variables are resource
+    variables: the test suite's second behaviour.
+
+    Args:
+      tf: the ``tensorflow`` module (imported by the caller, after ``_quiet``).
+
+    Example:
+      >>> graph_mode(tf)
+    """
+    if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf2":
+        tf.compat.v1.disable_eager_execution()
+    else:
+        tf.compat.v1.disable_v2_behavior()

@@ -25,7 +25,6 @@ accumulator's state (see ``gradaccum.accumulator``).
 Example:
   python examples/estimator.py --micro-batch 50 --micro-batches 4 --max-steps 20 --train-examples 2000
 """
-import os
 import shutil
 import sys
 import tempfile
@@ -141,10 +140,7 @@ def main(args, data):
     Example:
       >>> sys.exit(main(*_cli.prepare(parse_args)))
     """
-    if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf2":
-        tf.compat.v1.disable_eager_execution()
-    else:
-        tf.compat.v1.disable_v2_behavior()
+    _cli.graph_mode(tf)
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="gradaccum_estimator_")
     try:
         config = tf.estimator.RunConfig(model_dir=model_dir, tf_random_seed=args.seed,

@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 
 import _workers  # noqa: E402
 import idx_data  # noqa: E402
+import _cli  # noqa: E402
 from _cli import OneLineParser, fail  # noqa: E402
 
 SEED_WIDTH = 128  # The seed's channels per block unit.
@@ -735,10 +736,7 @@ def _session(args, worker, broadcast):
 
 def _set_up(args):
     """Graph mode and seeds, as the test suite's behaviour says."""
-    if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf2":
-        tf.compat.v1.disable_eager_execution()  # The test suite's second behaviour.
-    else:
-        tf.compat.v1.disable_v2_behavior()
+    _cli.graph_mode(tf)
     # Under TF2 behaviour the v1 layers' initialisers come from tf-keras, which
     # ignores the graph seed and draws from Python's random: seed both.
     tf.compat.v1.set_random_seed(args.seed)

@@ -28,7 +28,6 @@ global step), Adam's slots and beta powers, and the accumulator's state
 Example:
   python examples/keras_fit.py --micro-batch 50 --micro-batches 4 --epochs 1 --train-examples 2000
 """
-import os
 import random
 import sys
 import time
@@ -171,10 +170,7 @@ def main(args, data):
       >>> sys.exit(main(*_cli.prepare(parse_args)))
     """
     random.seed(args.seed)  # tf-keras draws initialiser seeds from Python's random under TF2 behaviour
-    if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf2":
-        tf.compat.v1.disable_eager_execution()
-    else:
-        tf.compat.v1.disable_v2_behavior()
+    _cli.graph_mode(tf)
     n, micro, k = len(data.train_labels[:args.train_examples]), args.micro_batch, args.micro_batches
     if args.compare and n % (micro * k):
         fail("`--compare` needs the %d training examples to be a multiple of the batch, `--micro-batch` times "
