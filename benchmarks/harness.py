@@ -51,6 +51,7 @@ A minimal family (``engines.py`` would look the same)::
 Graph state: each bench's graph holds its model's variables (``model/...``,
 ``mlp/...``), ``global_step``, the optimizer's slots and the trainer's own state.
 """
+import argparse
 import collections
 import importlib
 import importlib.util
@@ -640,6 +641,19 @@ def run_child(family, spec, timeout, env=None, python=None):
 def fmt(value, digits=3):
     """A table cell: ``n/a`` for None, else the number with ``digits`` decimals."""
     return "n/a" if value is None else "%.*f" % (digits, value)
+
+
+def mb(value):
+    """A table cell: ``n/a`` for None, else bytes as whole MiB."""
+    return "n/a" if value is None else "%.0f MB" % (value / MB)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose bad flags are one line on stderr and exit status 2, no usage block."""
+
+    def error(self, message):
+        sys.stderr.write("%s: error: %s\n" % (self.prog, " ".join(str(message).split())))
+        sys.exit(2)
 
 
 def markdown_table(header, rows):

@@ -41,10 +41,6 @@ def _median(results, key):
     return statistics.median(values) if values else None
 
 
-def _mb(value):
-    return "n/a" if value is None else "%.0f MB" % (value / harness.MB)
-
-
 def _ratio(top, bottom, extra=0.0):
     return None if top is None or bottom is None else top / (bottom + extra)
 
@@ -66,9 +62,9 @@ def summarize(results):
                      "over_full": _ratio(ours["peak_rss_bytes"], full["peak_rss_bytes"]),
                      "tf_over_micro_plus_params": _ratio(ours["tf_peak_bytes"], plain["tf_peak_bytes"], params),
                      "tf_over_full": _ratio(ours["tf_peak_bytes"], full["tf_peak_bytes"])})
-        cells.append([k, _mb(plain["peak_rss_bytes"]), _mb(ours["peak_rss_bytes"]),
+        cells.append([k, harness.mb(plain["peak_rss_bytes"]), harness.mb(ours["peak_rss_bytes"]),
                       harness.fmt(rows[-1]["over_micro_plus_params"]), harness.fmt(rows[-1]["over_full"]),
-                      _mb(plain["tf_peak_bytes"]), _mb(ours["tf_peak_bytes"]),
+                      harness.mb(plain["tf_peak_bytes"]), harness.mb(ours["tf_peak_bytes"]),
                       harness.fmt(rows[-1]["tf_over_micro_plus_params"]), harness.fmt(rows[-1]["tf_over_full"])])
     last, batch = rows[-1], results[0]["spec"]["micro"] * results[0]["spec"]["k"]
     keys = {"accumulated_peak_over_micro_peak_plus_params": last["over_micro_plus_params"],
@@ -78,8 +74,8 @@ def summarize(results):
             "memory_ratios_k": last["k"], "memory_rows": rows, "memory_full_batch": full}
     lines = ["### Memory: one update of a batch of %d, the example's CNN (width 16)" % batch, "",
              "Median of %d process(es) per configuration, BFC allocator on. Full batch directly: peak RSS %s, TF "
-             "peak %s." % (max(r["spec"]["repeat"] for r in results) + 1, _mb(full["peak_rss_bytes"]),
-                           _mb(full["tf_peak_bytes"])),
+             "peak %s." % (max(r["spec"]["repeat"] for r in results) + 1, harness.mb(full["peak_rss_bytes"]),
+                           harness.mb(full["tf_peak_bytes"])),
              ""] + harness.markdown_table(
                  ["k", "peak RSS, plain B/k", "peak RSS, ours", "ours / (plain + params)", "ours / full",
                   "TF peak, plain", "TF peak, ours", "TF: ours / (plain + params)", "TF: ours / full"], cells)

@@ -2,7 +2,8 @@
 
 Rows (trainers, see ``harness``): ``ours`` (``GradientAccumulator``, ``weight`` = the
 micro-batch size), ``ours_unweighted`` (``weight=None``), ``plain`` (Adam on every
-micro-batch), ``fwd_bwd`` (forward and backward only), ``seeds_manual`` (seeds 000/001:
+micro-batch), ``fwd_bwd`` (forward and backward only), ``wrapped_apply`` (Adam's apply alone,
+the part of a window the floor leaves out), ``seeds_manual`` (seeds 000/001:
 zero, accumulate, apply ``cache / k`` in three kinds of run), ``tensorpack``
 (``AccumGradOptimizer``) and ``horovod`` (``backward_passes_per_step``, one process).
 A peer is one trainer function plus one ``ROWS`` entry; a model is one ``SETUPS`` entry.
@@ -20,7 +21,8 @@ import harness
 
 SETUPS = {
     "mlp10m": {"model": "mlp", "model_args": {}, "micro": 8, "k": 8, "floor": True,
-               "rows": ["ours", "ours_unweighted", "plain", "fwd_bwd", "seeds_manual", "tensorpack", "horovod"]},
+               "rows": ["ours", "ours_unweighted", "plain", "fwd_bwd", "wrapped_apply", "seeds_manual", "tensorpack",
+                        "horovod"]},
     "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
             "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
 }
@@ -33,6 +35,7 @@ LABELS = {
     "ours_unweighted": "gradaccum, `weight=None`",
     "plain": "plain Adam on every micro-batch (no accumulation)",
     "fwd_bwd": "forward + backward only (no update)",
+    "wrapped_apply": "the wrapped Adam's apply alone, from fixed gradients (time per apply)",
     "seeds_manual": "seeds' manual zero / accumulate / apply",
     "tensorpack": "tensorpack `AccumGradOptimizer`",
     "horovod": "Horovod `backward_passes_per_step`, 1 process",
@@ -63,6 +66,17 @@ def tensorpack(model_fn, images, labels, k, make_optimizer, global_step):
         return harness.Window([], AccumGradOptimizer(make_optimizer(), k).minimize(loss), [])
 
 
+def wrapped_apply(model_fn, images, labels, k, make_optimizer, global_step):
+    """The wrapped optimizer's apply alone: what every accumulating row runs once per window, and the
+    floor leaves out. Each run applies fixed gradients (no forward, no backward)."""
+    tf = harness._tf()
+    model_fn(images, labels)
+    variables = tf.compat.v1.trainable_variables()
+    grads = [tf.compat.v1.Variable(tf.fill(v.shape, 1e-3), trainable=False, use_resource=True) for v in variables]
+    return harness.Window([], make_optimizer().apply_gradients(
+        [(g.read_value(), v) for g, v in zip(grads, variables)], global_step), [])
+
+
 def horovod(model_fn, images, labels, k, make_optimizer, global_step):
     """Horovod's ``DistributedOptimizer(backward_passes_per_step=k)`` on one process."""
     import horovod.tensorflow as hvd
@@ -76,8 +90,10 @@ def horovod(model_fn, images, labels, k, make_optimizer, global_step):
 
 
 ROWS = {"ours": harness.ours, "ours_unweighted": harness.ours_unweighted, "plain": harness.plain,
-        "fwd_bwd": harness.fwd_bwd, "seeds_manual": seeds_manual, "tensorpack": tensorpack, "horovod": horovod}
+        "fwd_bwd": harness.fwd_bwd, "wrapped_apply": wrapped_apply, "seeds_manual": seeds_manual,
+        "tensorpack": tensorpack, "horovod": horovod}
 IMPORTS = {"tensorpack": "tensorpack.tfutils.optimizer", "horovod": "horovod.tensorflow"}
+NOT_TRAINING = ("fwd_bwd", "wrapped_apply")  # Parts of a step, timed for the floor: not peers.
 
 
 def unavailable(row):
@@ -103,7 +119,7 @@ def plan(quick):
                   "env": {"TF_ENABLE_ONEDNN_OPTS": "0"}})
     # Memory per row on the MLP only: the CNN's 0.4 MB of parameters make every row alike there.
     specs += [{"kind": "memory", "setup": "mlp10m", "row": row, "env": {"TF_CPU_ALLOCATOR_USE_BFC": "true"}}
-              for row in SETUPS["mlp10m"]["rows"] if row != "fwd_bwd"
+              for row in SETUPS["mlp10m"]["rows"] if row not in NOT_TRAINING
               and (row not in IMPORTS or importlib.util.find_spec(row) is not None)]  # Not installed: no child.
     return specs
 
@@ -157,11 +173,18 @@ def _floor(result):
     bytes_per_step = 4.0 * params * (3 + 2.0 / k)  # Accumulate: read g, read+write cache; scale once per k.
     floors = [bytes_per_step / (gbs * 1e9) for gbs in bandwidth]
     overheads = [(a - b) / f for a, b, f in zip(times["ours"], times["fwd_bwd"], floors)]
+    # The floor has no term for the wrapped optimizer's apply; take it out (once per window) as well.
+    applies = times.get("wrapped_apply") or [0.0] * len(floors)
+    own = [(a - b - c / k) / f for a, b, c, f in zip(times["ours"], times["fwd_bwd"], applies, floors)]
     return {"stream_bandwidth_gbs": statistics.median(bandwidth), "floor_ms": statistics.median(floors) * 1e3,
             "floor_bytes_per_micro_step": bytes_per_step,
             "mlp10m_overhead_over_floor": statistics.median(overheads),
             "mlp10m_overhead_over_floor_ci95": list(harness.median_ci95(overheads)),
             "mlp10m_overhead_ms": statistics.median(a - b for a, b in zip(times["ours"], times["fwd_bwd"])) * 1e3,
+            "mlp10m_own_overhead_over_floor": statistics.median(own) if "wrapped_apply" in times else None,
+            "mlp10m_own_overhead_over_floor_ci95": list(harness.median_ci95(own)) if "wrapped_apply" in times
+            else None,
+            "mlp10m_wrapped_apply_ms": statistics.median(applies) * 1e3 if "wrapped_apply" in times else None,
             "mlp10m_fwd_bwd_ms": statistics.median(times["fwd_bwd"]) * 1e3,
             "stream_tf_gbs": statistics.median(harness.stream_bandwidth_gbs(times, params, ["stream"])),
             "stream_numpy_gbs": statistics.median(harness.stream_bandwidth_gbs(times, params, ["stream_numpy"]))}
@@ -202,10 +225,6 @@ def _profile_account(profile, k, top=12):
                 "accumulate_step_ms": sum(accumulate.values()), "applying_step_ms": sum(apply.values())}]
 
 
-def _mb(value):
-    return "n/a" if value is None else "%.0f MB" % (value / harness.MB)
-
-
 def _markdown(setup, rows, result):
     header = ["training", "ms / micro-step", "time / ours (95% CI)", "max rel. error vs full batch",
               "peak RSS", "TF peak (BFC)", "variables"]
@@ -219,7 +238,7 @@ def _markdown(setup, rows, result):
         cells.append([row["label"], harness.fmt(row["ms_per_micro_step"], 2),
                       "%s (%s-%s)" % (harness.fmt(row["time_ratio"]), harness.fmt(ci[0]), harness.fmt(ci[1])),
                       "%.2g" % row["max_rel_error_vs_full_batch"] if row["max_rel_error_vs_full_batch"] is not None
-                      else "-", _mb(row["peak_rss_bytes"]), _mb(row["tf_peak_bytes"]), _mb(row["variable_bytes"])])
+                      else "-", harness.mb(row["peak_rss_bytes"]), harness.mb(row["tf_peak_bytes"]), harness.mb(row["variable_bytes"])])
     model = ("MLP 784-2048-2048-2048-10 (%.1fM parameters)" % (result["params"] / 1e6) if setup == "mlp10m"
              else "the example's CNN (width %d)" % result["model_args"].get("width", 16))
     return ["### Peers: %s, micro-batch %d, k = %d" % (model, result["micro"], result["k"]), "",

@@ -15,7 +15,6 @@ parent never imports TensorFlow. Writes ``results.md`` (``results_quick.md`` wit
 ``--quick``) into ``--output-dir``. A failed child is reported and the run goes on;
 the exit status is then 1. Bad flags print one line and exit with status 2.
 """
-import argparse
 import datetime
 import importlib
 import json
@@ -51,12 +50,6 @@ TARGETS = {
 }
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        sys.stderr.write("run.py: error: %s\n" % " ".join(str(message).split()))
-        sys.exit(2)
-
-
 def parse_args(argv=None):
     """Parses the flags; bad input exits with one line and status 2.
 
@@ -64,7 +57,7 @@ def parse_args(argv=None):
       >>> parse_args(["--quick"]).quick
       True
     """
-    parser = _OneLineParser(description=__doc__.split("\n")[0])
+    parser = harness.OneLineParser(prog="run.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, fewer children: the trend only")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--tf-mode", choices=("tf1", "tf2"), default="tf1",
@@ -145,6 +138,9 @@ def readme_table(summary):
             row("the same with `TF_ENABLE_ONEDNN_OPTS=0`", "fused_over_plain_time_onednn_off"),
             row("10M MLP: `weight` given / `weight=None`", "mlp10m_weighted_over_unweighted_time", "<= 1.01"),
             row("10M MLP: (ours - forward+backward) / floor", "mlp10m_overhead_over_floor", "<= 1.10"),
+            row("the same, less the wrapped Adam's apply (once per window): the accumulator's own cost / floor",
+                "mlp10m_own_overhead_over_floor"),
+            row("the wrapped Adam's apply alone, ms", "mlp10m_wrapped_apply_ms", "-", 2),
             row("floor per micro-step, ms", "floor_ms", "-", 2),
             row("stream bandwidth (`a += b`), GB/s", "stream_bandwidth_gbs", "-", 1),
             row("CNN, peak RSS: ours on k micro-batches / (plain micro-batch + params)",
@@ -155,7 +151,7 @@ def readme_table(summary):
             row("2 towers: synchronized BN / per-tower BN, time per example", "towers2_sync_bn_over_per_tower_bn_time"),
             row("4 towers / one device (virtual CPUs), time per example", "towers4_over_one_device_time")]
     lines = harness.markdown_table(["what", "measured", "target"], rows) + [""]
-    peers = [p for p in summary.get("peers", []) if p["name"] not in ("fwd_bwd",)]
+    peers = [p for p in summary.get("peers", []) if p["name"] not in ("fwd_bwd", "wrapped_apply")]
     cells = [[p["model"], p["label"], "skipped: %s" % p["skipped"] if p.get("skipped") and p["time_ratio"] is None
               else "%s%s" % (harness.fmt(p["time_ratio"]), "" if not p.get("time_ratio_ci95") else " (%s-%s)" % (
                   harness.fmt(p["time_ratio_ci95"][0]), harness.fmt(p["time_ratio_ci95"][1]))),

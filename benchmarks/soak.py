@@ -19,7 +19,6 @@ Not a test: it is not run in CI.
 Graph state: the MLP's ``mlp/...`` variables, ``global_step``, Adam's slots,
 the accumulator's state (see ``gradaccum.accumulator``).
 """
-import argparse
 import os
 import sys
 import time
@@ -28,13 +27,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+import harness  # noqa: E402  (after the path; it imports no TensorFlow)
+
 MICRO_BATCH_SIZES = (16, 24, 32, 40, 8)  # Cycled: uneven micro-batches, several shapes.
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        sys.stderr.write("soak.py: error: %s\n" % message)
-        sys.exit(2)
 
 
 def parse_args(argv=None):
@@ -50,7 +45,7 @@ def parse_args(argv=None):
       >>> parse_args(["--steps", "1000"]).steps
       1000
     """
-    parser = _OneLineParser(description=__doc__.split("\n")[0])
+    parser = harness.OneLineParser(prog="soak.py", description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--steps", type=int, default=20000, help="micro-steps (default 20000)")
     add("--k", type=int, default=8, help="micro-batches per applied update (default 8)")
@@ -134,8 +129,6 @@ def build(args):
     """
     import tensorflow as tf  # Already in the wanted behaviour.
 
-    import harness
-
     bench = harness.build_bench("ours", "mlp", harness.ours, MICRO_BATCH_SIZES[0], args.k, {"widths": [args.width]})
     images, labels = list(bench.feeds[0])
     feeds = [harness.random_feeds(images, labels, size, 1, seed)[0] for seed, size in enumerate(MICRO_BATCH_SIZES)]
@@ -213,8 +206,6 @@ def main(argv=None):
       >>> main(["--steps", "2000"])
     """
     args = parse_args(argv)
-    import harness
-
     harness.setup_tensorflow(args.tf_mode)
     session, train_op, global_step, feeds = build(args)
     start = time.time()

@@ -33,10 +33,15 @@ None of these is a slot: ``get_slot`` and ``get_slot_names`` are the wrapped
 optimizer's. ``variables()`` returns the wrapped optimizer's variables plus
 :attr:`GradientAccumulator.state_variables`; ``Saver()`` saves them all.
 
-Memory passes (issue 13): per micro-step, one fused pass per dense cache
-(``cache += weight * gradient`` in one kernel, the weight being its scalar);
-at a window's end the division by the weight is the only pass that reads the
-caches, and the reset writes zeros without reading them.
+Memory passes (issue 13): per micro-step, one pass per dense cache. A
+window's first micro-batch writes its gradients (``cache = weight *
+gradient``), later ones add them (``cache += weight * gradient``, one kernel
+with the weight as its scalar); ``minimize`` folds ``weight`` into
+``grad_loss`` where that is exact, so the gradients arrive weighted and no
+kernel multiplies. At a window's end the division by the weight is the only
+pass that reads the caches; no pass zeroes them. So a dense cache holds the
+window's sum only while ``micro_step`` > 0: after an apply, a skip or
+``zero_op`` it still holds the last window's sum until the next write.
 
 Collections: the variables go to ``GLOBAL_VARIABLES`` only. The train op is
 appended to ``TRAIN_OP``; the wrapped optimizer's internal apply ops are kept
@@ -83,7 +88,8 @@ Attributes:
   weight_sum: variable, the weight since then (``None`` with k = 1).
   skipped_windows: int64 variable counting skipped windows, or ``None``
     (k = 1 with nothing that can skip).
-  accumulators: the cache variables, one per variable with a gradient.
+  accumulators: the cache variables, one per variable with a gradient;
+    a dense one holds the window's sum only while ``micro_step`` > 0.
   touched: per cache, the row flags of a sparse one, else ``None``.
   variables: the trained variables, in the order of ``accumulators``.
   statistics: the ``gradaccum.statistics.GradientStatistics``, or ``None``.
@@ -226,6 +232,11 @@ class GradientAccumulator(WrappingOptimizer):
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
         if update_ops is None:
             update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+        weighted_grads = self._weight_in_backprop(loss, weight, var_list)
+        if weighted_grads:
+            # Backprop carries the weight from the loss to every gradient for free,
+            # where the accumulate kernel would multiply each one on every micro-step.
+            grad_loss = _weighted_grad_loss(loss, grad_loss, weight)
         grads_and_vars = self.compute_gradients(
             loss, var_list=var_list, gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
@@ -234,7 +245,7 @@ class GradientAccumulator(WrappingOptimizer):
             raise ValueError(
                 "No gradients provided for any variable, check your graph for ops that do not support "
                 "gradients, between variables %s and loss %s." % ([str(v) for _, v in grads_and_vars], loss))
-        return self.apply_gradients(grads_and_vars, global_step, name, weight=weight, update_ops=update_ops)
+        return self._build(grads_and_vars, global_step, name, weight, update_ops, None, weighted_grads)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None,
                         update_ops=None, small_batches=None):
@@ -280,6 +291,33 @@ class GradientAccumulator(WrappingOptimizer):
           >>> grads_and_vars = opt.compute_gradients(loss)
           >>> train_op = opt.apply_gradients(grads_and_vars, global_step)
         """
+        return self._build(grads_and_vars, global_step, name, weight, update_ops, small_batches, False)
+
+    def _weight_in_backprop(self, loss, weight, var_list):
+        """Whether ``minimize`` folds ``weight`` into ``grad_loss`` (k > 1 windows only).
+
+        Not with statistics, which need each micro-batch's unweighted gradients,
+        nor under a loss-scale optimizer, whose overflow test would then see the
+        weighted gradients, nor for a callable loss, whose shape is not known yet,
+        nor where a cache is wider than its gradient (``accumulation_dtype``,
+        half-precision variables): the product is then taken in the cache's
+        dtype. Nor across
+        processes (a reducer, or collective ops behind the loss, as in
+        worker-synchronised batch norm): there each worker's backward pass mixes
+        in the others', which carry their own weights, so scaling it is not
+        scaling the gradient.
+        """
+        if weight is None or self._k == 1 or self._use_statistics or callable(loss):
+            return False
+        dtype = tf.convert_to_tensor(loss).dtype.base_dtype
+        variables = tf.compat.v1.trainable_variables() if var_list is None else var_list
+        return (dtype in _ACCUMULATION_DTYPES and self._accumulation_dtype in (None, dtype)
+                and all(v.dtype.base_dtype == dtype for v in variables)
+                and not _skips_nonfinite(self._optimizer) and _reducer(self._optimizer) is None
+                and not _crosses_processes(loss))
+
+    def _build(self, grads_and_vars, global_step, name, weight, update_ops, small_batches, weighted_grads):
+        """``apply_gradients``; ``weighted_grads``: the gradients already carry ``weight``."""
         _check_graph_mode()
         if in_control_flow():
             raise ValueError(
@@ -297,7 +335,8 @@ class GradientAccumulator(WrappingOptimizer):
                 window = self._build_direct(grads_and_vars, pairs, weight, global_step, name, update_ops,
                                             small_batches)
             else:
-                window = self._build_window(pairs, weight, global_step, name, update_ops, small_batches)
+                window = self._build_window(pairs, weight, global_step, name, update_ops, small_batches,
+                                            weighted_grads)
         if window.skipped_windows is not None or window.statistics is not None or self._clip_norm is not None:
             _reset_collection(graph, tf.compat.v1.GraphKeys.TRAIN_OP, train_ops_before + [window.train_op])
         self._windows.append(window)
@@ -432,14 +471,14 @@ class GradientAccumulator(WrappingOptimizer):
             stats = _statistics.create(pairs, _sum_dtype(pairs, None)) if self._use_statistics else None
         return skipped, stats
 
-    def _build_window(self, pairs, weight, global_step, name, update_ops, small_batches):
+    def _build_window(self, pairs, weight, global_step, name, update_ops, small_batches, weighted_grads):
         """k > 1: accumulate on every run, finish the window on the k-th."""
         plain_ops, window_stats = split_update_ops(update_ops)
         outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
         with tf.compat.v1.name_scope(self._name) as scope:
             state = self._create_window_state(pairs)
             with tf.control_dependencies(plain_ops):
-                accumulate = _accumulate(state, pairs, weight, window_stats, small_batches)
+                accumulate = _accumulate(state, pairs, weight, window_stats, small_batches, weighted_grads)
                 with tf.control_dependencies([accumulate]):
                     due = tf.greater_equal(state.micro_step.read_value(), self._k, name="window_full")
                 fused = tf.cond(due, lambda: self._finish_window(state, window_stats, global_step, outer_scope),
@@ -448,8 +487,8 @@ class GradientAccumulator(WrappingOptimizer):
             # The manual ops must not wait for the caller's control dependencies
             # (typically UPDATE_OPS, which need a feed): rebuild the scope cleanly.
             with tf.control_dependencies(None), tf.compat.v1.name_scope(scope):
-                apply_op = tf.group(self._finish_window(state, window_stats, global_step, outer_scope),
-                                    name="apply")
+                apply_op = tf.group(self._finish_window(state, window_stats, global_step, outer_scope,
+                                                        may_be_empty=True), name="apply")
                 discard = [] if state.stats is None else [state.stats.discard()]
                 zero_op = tf.group(_reset(state, window_stats) + discard, name="zero")
         slots = state.slots
@@ -483,9 +522,9 @@ class GradientAccumulator(WrappingOptimizer):
                 touched = state_variable(var.op.name + "/" + self._name + "_touched", shape[:1], dtype, var)
         return _Slot(var, accum, touched)
 
-    def _finish_window(self, state, window_stats, global_step, outer_scope):
+    def _finish_window(self, state, window_stats, global_step, outer_scope, may_be_empty=False):
         """Applies the window (or skips it: zero weight, or not finite), then resets."""
-        sums, rows = _window_sums(state)
+        sums, rows = _window_sums(state, may_be_empty)
         total = state.weight_sum.read_value()
 
         def done():
@@ -640,12 +679,15 @@ def _checked_pairs(grads_and_vars):
     return converted, kept
 
 
-def _accumulate(state, pairs, weight, window_stats, small_batches):
-    """Adds one micro-batch: gradients times weight, the weight, then the count."""
+def _accumulate(state, pairs, weight, window_stats, small_batches, weighted_grads):
+    """Adds one micro-batch: gradients times weight (unless ``weighted_grads``), the weight, the count."""
     with tf.compat.v1.name_scope("accumulate"):
-        adds = []
+        grad_weight = None if weighted_grads else weight
+        dense = [(grad, slot) for (grad, _), slot in zip(pairs, state.slots) if slot.touched is None]
+        adds = [_write_or_add(dense, grad_weight, state.micro_step)] if dense else []
         for (grad, _), slot in zip(pairs, state.slots):
-            adds.extend(_add_gradient(slot, grad, weight))
+            if slot.touched is not None:
+                adds.extend(_add_sparse(slot, grad, grad_weight))
         added = 1.0 if weight is None else tf.cast(weight, state.weight_sum.dtype.base_dtype)
         # A constant weight depends on no input: without this, a run that fails
         # at its input (OutOfRangeError at the end of a tf.data loop) would
@@ -660,30 +702,87 @@ def _accumulate(state, pairs, weight, window_stats, small_batches):
             return tf.group(state.micro_step.assign_add(1), name="accumulate")
 
 
-def _add_gradient(slot, grad, weight):
-    """One pass per dense gradient: ``cache += weight * grad`` in one kernel."""
+def _crosses_processes(loss):
+    """Whether an op behind ``loss`` talks to other processes (TF collectives, Horovod)."""
+    seen, todo = set(), [tf.convert_to_tensor(loss).op]
+    while todo:
+        op = todo.pop()
+        if op in seen:
+            continue
+        if op.type.startswith(("Collective", "Horovod")):
+            return True
+        seen.add(op)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return False
+
+
+def _weighted_grad_loss(loss, grad_loss, weight):
+    """``grad_loss`` (ones, when None) times ``weight``, in the loss's dtype."""
+    loss = tf.convert_to_tensor(loss)
+    ones = tf.ones_like(loss) if grad_loss is None else grad_loss
+    return ones * tf.cast(weight, loss.dtype.base_dtype)
+
+
+def _write_or_add(dense, weight, micro_step):
+    """One pass per dense cache: ``cache = w * g`` when a window starts, ``cache += w * g`` after.
+
+    Writing the first micro-batch is what lets the reset leave the dense caches
+    alone: no pass ever zeroes them, and a cache holds a sum only while
+    ``micro_step`` > 0.
+    """
+    first = tf.equal(micro_step.read_value(), 0, name="window_start")
+
+    def write():
+        return tf.group(*[slot.accum.assign(weighted(tf.cast(grad, slot.accum.dtype.base_dtype), weight),
+                                            read_value=False) for grad, slot in dense], name="write")
+
+    def add():
+        return tf.group(*[_add_dense(slot, grad, weight) for grad, slot in dense], name="add")
+
+    return tf.cond(first, write, add, name="write_or_add")
+
+
+def _add_dense(slot, grad, weight):
+    """``cache += weight * grad`` in one kernel: the weight is its scalar, no product is materialised."""
     dtype = slot.accum.dtype.base_dtype
-    if isinstance(grad, tf.IndexedSlices):
-        values = weighted(tf.cast(grad.values, dtype), weight)
-        ones = tf.ones_like(grad.indices, dtype=dtype)
-        return [tf.compat.v1.scatter_add(slot.accum, grad.indices, values),
-                tf.compat.v1.scatter_update(slot.touched, grad.indices, ones)]
     grad = tf.cast(grad, dtype)
     if weight is None:
-        return [slot.accum.assign_add(grad, read_value=False)]
+        return slot.accum.assign_add(grad, read_value=False)
     # ResourceApplyGradientDescent computes var -= alpha * delta in one pass;
-    # with alpha = -weight that is the weighted add, with no product in memory.
+    # with alpha = -weight that is the weighted add.
     alpha = tf.negative(tf.cast(weight, dtype))
-    return [tf.raw_ops.ResourceApplyGradientDescent(var=slot.accum.handle, alpha=alpha, delta=grad,
-                                                    use_locking=False)]
+    return tf.raw_ops.ResourceApplyGradientDescent(var=slot.accum.handle, alpha=alpha, delta=grad, use_locking=False)
 
 
-def _window_sums(state):
-    """The caches as ``(sum, variable)`` pairs (sparse ones as ``IndexedSlices``) and their rows."""
+def _add_sparse(slot, grad, weight):
+    """Adds the weighted rows of an ``IndexedSlices`` gradient and flags them as touched."""
+    dtype = slot.accum.dtype.base_dtype
+    values = weighted(tf.cast(grad.values, dtype), weight)
+    ones = tf.ones_like(grad.indices, dtype=dtype)
+    return [tf.compat.v1.scatter_add(slot.accum, grad.indices, values),
+            tf.compat.v1.scatter_update(slot.touched, grad.indices, ones)]
+
+
+def _window_sums(state, may_be_empty=False):
+    """The caches as ``(sum, variable)`` pairs (sparse ones as ``IndexedSlices``) and their rows.
+
+    With ``may_be_empty`` (the manual ``apply_op``), dense sums read as zeros
+    while ``micro_step`` is 0: the caches then still hold the last window's.
+    """
+    dense = [slot.accum for slot in state.slots if slot.touched is None]
+    values = [cache.read_value() for cache in dense]
+    if dense and may_be_empty:
+        # strict: a list of one stays a list on TF 1.15.
+        values = tf.compat.v1.cond(tf.greater(state.micro_step.read_value(), 0),
+                                   lambda: [cache.read_value() for cache in dense],
+                                   lambda: [tf.zeros(cache.shape, cache.dtype.base_dtype) for cache in dense],
+                                   strict=True, name="sums_or_zeros")
+    values = iter(values)
     sums, rows = [], []
     for slot in state.slots:
         if slot.touched is None:
-            sums.append((slot.accum.read_value(), slot.var))
+            sums.append((next(values), slot.var))
             rows.append(None)
             continue
         index = _touched_rows(slot)
@@ -713,18 +812,17 @@ def _touched_rows(slot):
 
 
 def _reset(state, window_stats, rows=None):
-    """Zeroes the caches (only touched rows of sparse ones), the counters and the window statistics.
+    """Zeroes the counters, the window statistics and the touched rows of sparse caches.
 
-    A dense cache is overwritten with a fresh fill of zeros, which the
-    resource variable adopts: the cache is written once and never read.
+    Dense caches are left as they are: the next window's first micro-batch
+    overwrites them (``_write_or_add``), so they are never zeroed in a pass
+    of their own.
     """
     rows = rows or [None] * len(state.slots)
     ops = [state.micro_step.assign(0, read_value=False), state.weight_sum.assign(0, read_value=False)]
     ops.extend(stats.reset() for stats in window_stats)
     for slot, index in zip(state.slots, rows):
         if slot.touched is None:
-            ops.append(slot.accum.assign(tf.zeros(slot.accum.shape, slot.accum.dtype.base_dtype),
-                                         read_value=False))
             continue
         index = _touched_rows(slot) if index is None else index
         with tf.control_dependencies([index]):

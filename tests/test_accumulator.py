@@ -50,8 +50,11 @@ def _slices(sizes):
     return [slice(end - size, end) for size, end in zip(sizes, ends)]
 
 
-def _train(opt_name, dtype, sizes=None, weighted=False, updates=3):
-    """Runs ``updates`` applied updates; sizes=None is plain full-batch training."""
+def _train(opt_name, dtype, sizes=None, weighted=False, updates=3, apply=False):
+    """Runs ``updates`` applied updates; sizes=None is plain full-batch training.
+
+    ``apply``: build with ``compute_gradients`` + ``apply_gradients`` instead of ``minimize``.
+    """
     X, Y = _data(dtype)
     with tf.Graph().as_default():
         x, y, loss, variables = _mlp(dtype)
@@ -62,7 +65,10 @@ def _train(opt_name, dtype, sizes=None, weighted=False, updates=3):
         else:
             opt = gradaccum.GradientAccumulator(OPTIMIZERS[opt_name](), len(sizes))
             weight = tf.shape(x)[0] if weighted else None
-            train_op = opt.minimize(loss, global_step=step, weight=weight)
+            if apply:
+                train_op = opt.apply_gradients(opt.compute_gradients(loss), step, weight=weight)
+            else:
+                train_op = opt.minimize(loss, global_step=step, weight=weight)
             feeds = [{x: X[s], y: Y[s]} for s in _slices(sizes)]
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
@@ -84,6 +90,17 @@ def test_accumulated_equals_full_batch(opt_name, split, dtype):
     for got, want, start in zip(actual, expected, initial):
         assert not np.allclose(want, start), "the reference did not move: the test would prove nothing"
         np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("apply", [False, True], ids=["minimize", "apply_gradients"])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_weight_in_backprop_and_weight_in_the_kernel_both_equal_full_batch(opt_name, apply):
+    """``minimize`` folds ``weight`` into ``grad_loss``; ``apply_gradients`` gets finished gradients
+    and multiplies in the accumulate kernel."""
+    expected, _ = _train(opt_name, np.float64)
+    actual, _ = _train(opt_name, np.float64, [5, 4, 2, 1], weighted=True, apply=apply)
+    for got, want in zip(actual, expected):
+        np.testing.assert_allclose(got, want, **TOLERANCE[np.float64])
 
 
 def test_uneven_micro_batches_need_the_weight():
@@ -160,7 +177,7 @@ def test_every_slot_moves_on_apply():
                 assert not np.array_equal(old, new)
 
 
-def test_accumulators_hold_the_weighted_sum_and_reset():
+def test_accumulators_hold_the_weighted_sum_and_the_next_window_starts_afresh():
     with tf.Graph().as_default():
         c, weight, w, step, acc, train_op = scalar_problem(3, v1.train.AdamOptimizer(0.1))
         with v1.Session() as sess:
@@ -170,8 +187,11 @@ def test_accumulators_hold_the_weighted_sum_and_reset():
             np.testing.assert_array_equal(sess.run(acc.accumulators[0]), [5.0, 8.0])
             assert sess.run([acc.micro_step, acc.weight_sum]) == [2, 3.0]
             sess.run(train_op, {c: [0.0, 0.0], weight: 1.0})
-            np.testing.assert_array_equal(sess.run(acc.accumulators[0]), [0.0, 0.0])
             assert sess.run([acc.micro_step, acc.weight_sum, step]) == [0, 0.0, 1]
+            # No pass zeroes the cache: the next window's first micro-batch overwrites it.
+            sess.run(train_op, {c: [1.0, 1.0], weight: 3.0})
+            np.testing.assert_array_equal(sess.run(acc.accumulators[0]), [3.0, 3.0])
+            assert sess.run([acc.micro_step, acc.weight_sum, step]) == [1, 3.0, 1]
 
 
 def test_variable_without_gradient_gets_no_accumulator():
@@ -309,7 +329,8 @@ def test_zero_weight_window_is_skipped_and_counted():
                 sess.run(train_op, {c: [1.0, 1.0], weight: 0.0})
             np.testing.assert_array_equal(sess.run(w), [10.0, 20.0])
             assert sess.run([step, acc.skipped_windows, acc.micro_step]) == [0, 1, 0]
-            assert not np.any(sess.run(acc.accumulators[0]))
+            sess.run(acc.accumulate_op, {c: [2.0, 3.0], weight: 1.0})
+            np.testing.assert_array_equal(sess.run(acc.accumulators[0]), [2.0, 3.0])
 
 
 def test_clip_norm_clips_the_average_once():
@@ -818,14 +839,43 @@ def _cache_passes(weighted, skip_nonfinite=False):
 @pytest.mark.parametrize("weighted", [False, True], ids=["weight_none", "weight_given"])
 def test_one_micro_step_makes_one_pass_per_cache_and_one_division_at_the_end(weighted):
     kernel = "ResourceApplyGradientDescent" if weighted else "AssignAddVariableOp"
-    for reads, read_by, zeros_from, grad_used_by in _cache_passes(weighted):
+    first = "Mul" if weighted else "AssignVariableOp"
+    for reads, read_by, written_from, grad_used_by in _cache_passes(weighted):
         # The accumulate kernel (cache += weight * grad, fused) and the window end's one read.
         assert reads == sorted([kernel, "ReadVariableOp"])
         assert read_by == ["RealDiv"]  # the division is the only pass over the cache at the end
-        # The reset writes a fresh fill of zeros (applied and skipped windows): it reads no cache.
-        assert len(zeros_from) == 2 and set(zeros_from) <= {"Fill", "Const"}
-        # The weight is the kernel's scalar: no product of the gradient is ever materialised.
-        assert grad_used_by == [kernel]
+        # One write: a window's first micro-batch, w * g (g itself, through the cond's Switch).
+        # No fill of zeros: no pass resets the cache, on applied or skipped windows.
+        assert written_from == (["Mul"] if weighted else ["Switch"])
+        # The weight is the add kernel's scalar; w * g exists only on the first micro-batch.
+        assert sorted(grad_used_by) == sorted([kernel, first])
+
+
+def test_weight_given_to_minimize_costs_no_pass_over_the_gradients():
+    """The weight rides on backprop (``grad_loss``): each gradient goes straight into the
+    write or the add kernel, with no product and no weighted kernel."""
+    with tf.Graph().as_default(), gradaccum._compat.v1_control_flow():
+        x, y, loss, variables = _mlp(np.float32)
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+        train_op = acc.minimize(loss, weight=tf.shape(x)[0])
+        ops = _reachable(train_op)
+        for cache in acc.accumulators:
+            kernels = [op for op in _uses(cache.handle, ops) if op.type != "ReadVariableOp"]
+            assert sorted(op.type for op in kernels) == ["AssignAddVariableOp", "AssignVariableOp"]
+            assert [op.inputs[1].op.type for op in kernels] == ["Switch", "Switch"]
+
+
+@pytest.mark.parametrize("kwargs", [{"accumulation_dtype": tf.float64}, {"statistics": True}],
+                         ids=["wider_caches", "statistics"])
+def test_weight_stays_in_the_add_kernel_where_backprop_cannot_carry_it_exactly(kwargs):
+    with tf.Graph().as_default(), gradaccum._compat.v1_control_flow():
+        x, y, loss, variables = _mlp(np.float32)
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4, **kwargs)
+        train_op = acc.minimize(loss, weight=tf.shape(x)[0])
+        ops = _reachable(train_op)
+        for cache in acc.accumulators:
+            kernels = sorted(op.type for op in _uses(cache.handle, ops) if op.type != "ReadVariableOp")
+            assert kernels == ["AssignVariableOp", "ResourceApplyGradientDescent"]
 
 
 def test_skip_nonfinite_adds_one_read_of_the_sums_only():

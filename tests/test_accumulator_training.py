@@ -126,10 +126,13 @@ def test_overflow_in_one_micro_batch_skips_the_whole_window():
             np.testing.assert_array_equal(after[0], before[0])
             np.testing.assert_array_equal(after[1], before[1])
             assert after[2] == before[2] / 2 and after[3] == 0
-            assert not np.any(sess.run(acc.accumulators[0])) and sess.run(acc.micro_step) == 0
-            for batch in (normal, normal, normal):  # a clean window applies
+            assert sess.run(acc.micro_step) == 0
+            sess.run(train_op, {x: normal})  # the overflowed sum is overwritten, not added to
+            assert np.all(np.isfinite(sess.run(acc.accumulators[0])))
+            for batch in (normal, normal):  # and the clean window applies
                 sess.run(train_op, {x: batch})
             assert not np.array_equal(sess.run(w), before[0]) and sess.run(step) == 1
+            assert np.all(np.isfinite(sess.run(w)))
 
 
 @pytest.mark.parametrize("kwargs", [{"skip_nonfinite": True}, {"statistics": True}])
@@ -207,9 +210,9 @@ def test_skip_nonfinite_skips_and_counts_without_loss_scaling():
                 sess.run(train_op, {c: value})
             np.testing.assert_array_equal(sess.run(w), [10.0, 20.0])
             assert sess.run([step, acc.skipped_windows, acc.micro_step]) == [0, 1, 0]
-            assert not np.any(sess.run(acc.accumulators[0]))
-            for value in ([1.0, 1.0], [1.0, 1.0]):
-                sess.run(train_op, {c: value})
+            sess.run(train_op, {c: [1.0, 1.0]})  # the infinite sum is overwritten, not added to
+            np.testing.assert_array_equal(sess.run(acc.accumulators[0]), [1.0, 1.0])
+            sess.run(train_op, {c: [1.0, 1.0]})
             assert sess.run([step, acc.skipped_windows]) == [1, 1]
             assert np.all(np.isfinite(sess.run(w))) and not np.array_equal(sess.run(w), [10.0, 20.0])
 

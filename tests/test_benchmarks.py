@@ -68,7 +68,8 @@ def _peers_results():
     mlp = {"setup": "mlp10m", "tag": None, "micro": 8, "k": 8, "model": "mlp", "model_args": {}, "params": 10 ** 6,
            "times": {"ours": ms(5.3, 5.3, 5.3), "ours_unweighted": ms(5.3, 5.2, 5.4), "fwd_bwd": ms(4.0, 4.0, 4.0),
                      "plain": ms(6.0, 6.0, 6.0), "seeds_manual": ms(5.4, 5.4, 5.4), "tensorpack": ms(5.2, 5.3, 5.2),
-                     "stream": ms(1.2, 1.2, 1.2), "stream_numpy": ms(2.4, 2.4, 2.4)},
+                     "stream": ms(1.2, 1.2, 1.2), "stream_numpy": ms(2.4, 2.4, 2.4),
+                     "wrapped_apply": ms(2.6, 2.6, 2.6)},
            "skipped": {"horovod": "horovod is not installed"},
            "errors": {"ours": [1e-7, 2e-7], "ours_unweighted": [1e-7, 1e-7], "seeds_manual": [3e-7, 1e-7],
                       "tensorpack": [7.0, 1.0]},
@@ -93,6 +94,8 @@ def test_peers_summary_has_the_floor_and_the_peers_rows():
     assert keys["stream_bandwidth_gbs"] == pytest.approx(10.0)  # 12e6 bytes in 1.2 ms.
     assert keys["floor_ms"] == pytest.approx(1.3)  # (3 + 2/8) * 4e6 bytes at 10 GB/s.
     assert keys["mlp10m_overhead_over_floor"] == pytest.approx(1.0)  # (5.3 - 4.0) / 1.3.
+    assert keys["mlp10m_own_overhead_over_floor"] == pytest.approx(0.75)  # (5.3 - 4.0 - 2.6 / 8) / 1.3.
+    assert keys["mlp10m_wrapped_apply_ms"] == pytest.approx(2.6)
     assert keys["mlp10m_weighted_over_unweighted_time"] == pytest.approx(5.3 / 5.3)
     assert keys["fused_over_plain_time"] == pytest.approx(1.05)  # median of 1.0 and 1.1.
     assert keys["fused_over_plain_time_onednn_off"] == pytest.approx(40.0 / 41.0)
