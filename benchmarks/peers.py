@@ -26,8 +26,11 @@ SETUPS = {
     "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
             "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
 }
-ROUNDS = {False: {"mlp10m": 81, "cnn": 41, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
-SECONDS = {"mlp10m": 90, "cnn": 75, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
+ROUNDS = {False: {"mlp10m": 27, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
+SECONDS = {"mlp10m": 35, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
+# Timing children per setup, their rounds pooled. Where its buffers land differs from one process to
+# the next, and moves a 10M-parameter row by a few percent either way: more than the effects measured.
+PROCESSES = {False: {"mlp10m": 3, "cnn": 2}, True: {"mlp10m": 1, "cnn": 1}}
 ERROR_WINDOWS = {False: 10, True: 4}
 ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod")
 LABELS = {
@@ -111,9 +114,11 @@ def unavailable(row):
 
 
 def plan(quick):
-    """The children: one timing child per setup, a oneDNN-off CNN child, one memory child per MLP row."""
-    specs = [{"kind": "time", "setup": name, "rounds": ROUNDS[quick][name], "error_windows": ERROR_WINDOWS[quick]}
-             for name in SETUPS]
+    """The children: timing children per setup (``PROCESSES``; the first also measures errors and the
+    profile), a oneDNN-off CNN child, one memory child per MLP row."""
+    specs = [{"kind": "time", "setup": name, "rounds": ROUNDS[quick][name], "repeat": repeat,
+              "error_windows": 0 if repeat else ERROR_WINDOWS[quick]}
+             for name in SETUPS for repeat in range(PROCESSES[quick][name])]
     specs.append({"kind": "time", "setup": "cnn", "tag": "onednn_off", "rows": ["ours", "plain"],
                   "rounds": ROUNDS[quick]["onednn_off"], "error_windows": 0,
                   "env": {"TF_ENABLE_ONEDNN_OPTS": "0"}})
@@ -150,7 +155,7 @@ def measure(spec):
         times = harness.time_side_by_side(benches + extra, spec["rounds"],
                                           max_seconds=SECONDS[spec.get("tag") or spec["setup"]])
         named = dict((bench.name, bench) for bench in benches)
-        profiled = setup.get("floor") and "ours" in named and "fwd_bwd" in named
+        profiled = setup.get("floor") and "ours" in named and "fwd_bwd" in named and not spec.get("repeat")
         steps = harness.profile_window(named["ours"]) if profiled else None
         base = harness.profile_window(named["fwd_bwd"], 1)[0] if profiled else None
     finally:
@@ -238,13 +243,15 @@ def _markdown(setup, rows, result):
         cells.append([row["label"], harness.fmt(row["ms_per_micro_step"], 2),
                       "%s (%s-%s)" % (harness.fmt(row["time_ratio"]), harness.fmt(ci[0]), harness.fmt(ci[1])),
                       "%.2g" % row["max_rel_error_vs_full_batch"] if row["max_rel_error_vs_full_batch"] is not None
-                      else "-", harness.mb(row["peak_rss_bytes"]), harness.mb(row["tf_peak_bytes"]), harness.mb(row["variable_bytes"])])
+                      else "-", harness.mb(row["peak_rss_bytes"]), harness.mb(row["tf_peak_bytes"]),
+                      harness.mb(row["variable_bytes"])])
     model = ("MLP 784-2048-2048-2048-10 (%.1fM parameters)" % (result["params"] / 1e6) if setup == "mlp10m"
              else "the example's CNN (width %d)" % result["model_args"].get("width", 16))
     return ["### Peers: %s, micro-batch %d, k = %d" % (model, result["micro"], result["k"]), "",
-            "Time: median of %d interleaved rounds, ratio = median of per-round ratios. Error: the largest, over %d "
-            "windows, of |update - full-batch update| / |full-batch update| (SGD, global norm)."
-            % (len(result["times"]["ours"]), len((result["errors"].get("ours") or [0]))), ""] + \
+            "Time: median of %d interleaved rounds in %d process(es), ratio = median of per-round ratios. Error: the "
+            "largest, over %d windows, of |update - full-batch update| / |full-batch update| (SGD, global norm)."
+            % (len(result["times"]["ours"]), result.get("processes", 1), len((result["errors"].get("ours") or [0]))),
+            ""] + \
         harness.markdown_table(header, cells)
 
 
@@ -258,10 +265,20 @@ def _profile_markdown(account, k):
             % (k - 1, k), ""] + harness.markdown_table(header, cells)
 
 
+def _pooled(first, other):
+    """Two timing children of one setup as one: rounds appended, errors and profile of either."""
+    times = dict((name, first["times"][name] + other["times"].get(name, [])) for name in first["times"])
+    return dict(first, times=times, errors=first["errors"] or other["errors"],
+                profile=first["profile"] or other["profile"], processes=first.get("processes", 1) + 1)
+
+
 def summarize(results):
     """JSON keys and markdown of the peers family (``results`` in ``plan`` order, each with its ``spec``)."""
     memory = dict(((r["spec"]["setup"], r["spec"]["row"]), r) for r in results if r["spec"]["kind"] == "memory")
-    timed = dict(((r["setup"], r.get("tag")), r) for r in results if r["spec"]["kind"] == "time")
+    timed = {}
+    for result in [r for r in results if r["spec"]["kind"] == "time"]:
+        key = (result["setup"], result.get("tag"))
+        timed[key] = _pooled(timed[key], result) if key in timed else result
     keys, lines, peers = {}, [], []
     for (setup, tag), result in sorted(timed.items(), key=lambda item: (item[0][0] != "mlp10m", str(item[0][1]))):
         if tag:

@@ -98,7 +98,8 @@ def run_family(name, args, log):
             log("FAILED " + failures[-1])
             continue
         results.append(dict(result, spec=spec))
-        what = " ".join(str(spec[key]) for key in ("kind", "setup", "tag", "group", "row", "config") if spec.get(key))
+        what = " ".join(str(spec[key]) for key in ("kind", "setup", "tag", "group", "row", "config", "repeat")
+                        if spec.get(key))
         log("%s %s: %.0f s" % (name, what, time.time() - start))
     return results, failures
 

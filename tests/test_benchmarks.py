@@ -114,6 +114,17 @@ def test_peers_summary_has_the_floor_and_the_peers_rows():
     assert "skipped: horovod is not installed" in text
 
 
+def test_timing_children_of_one_setup_pool_their_rounds():
+    mlp = _peers_results()[0]
+    other = dict(mlp, times=dict((name, [t * 1.1 for t in series]) for name, series in mlp["times"].items()),
+                 errors={}, profile=None, spec=dict(mlp["spec"], repeat=1))
+    assert peers.plan(False)[1]["repeat"] == 1 and peers.plan(False)[1]["error_windows"] == 0
+    keys, lines = peers.summarize([mlp, other])
+    ours = [r for r in keys["peers"] if r["model"] == "mlp10m" and r["name"] == "ours"][0]
+    assert ours["ms_per_micro_step"] == pytest.approx((5.3 + 5.83) / 2) and ours["rel_errors_by_window"]
+    assert keys["mlp10m_profile"] and any("6 interleaved rounds in 2 process(es)" in line for line in lines)
+
+
 def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
     summary = {}
     summary.update(peers.summarize(_peers_results())[0])
