@@ -771,13 +771,17 @@ def _window_sums(state, may_be_empty=False):
     while ``micro_step`` is 0: the caches then still hold the last window's.
     """
     dense = [slot.accum for slot in state.slots if slot.touched is None]
-    values = [cache.read_value() for cache in dense]
+
+    def read():
+        return [cache.read_value() for cache in dense]
+
     if dense and may_be_empty:
         # strict: a list of one stays a list on TF 1.15.
-        values = tf.compat.v1.cond(tf.greater(state.micro_step.read_value(), 0),
-                                   lambda: [cache.read_value() for cache in dense],
+        values = tf.compat.v1.cond(tf.greater(state.micro_step.read_value(), 0), read,
                                    lambda: [tf.zeros(cache.shape, cache.dtype.base_dtype) for cache in dense],
                                    strict=True, name="sums_or_zeros")
+    else:
+        values = read()
     values = iter(values)
     sums, rows = [], []
     for slot in state.slots:

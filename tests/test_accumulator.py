@@ -103,6 +103,19 @@ def test_weight_in_backprop_and_weight_in_the_kernel_both_equal_full_batch(opt_n
         np.testing.assert_allclose(got, want, **TOLERANCE[np.float64])
 
 
+def test_grad_loss_and_weight_both_scale_the_gradients():
+    with tf.Graph().as_default():
+        c = v1.placeholder(tf.float64, [2])
+        w = v1.get_variable("w", initializer=np.array([1.0, 2.0]))
+        acc = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(1.0), 2)
+        train_op = acc.minimize(tf.reduce_sum(c * w), grad_loss=tf.constant(2.0, tf.float64), weight=3)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(train_op, {c: [1.0, -5.0]})
+            np.testing.assert_array_equal(sess.run(acc.accumulators[0]), [6.0, -30.0])
+            assert sess.run(acc.weight_sum) == 3.0
+
+
 def test_uneven_micro_batches_need_the_weight():
     """Without weights the mean of micro-batch means is not the full-batch mean."""
     expected, _ = _train("sgd", np.float64)

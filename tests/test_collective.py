@@ -123,6 +123,32 @@ def test_one_process_is_the_wrapped_optimizer_exactly_dense_and_sparse():
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
+class _PeerWithWeight(cluster.CollectiveAllReduce):
+    """One process whose "other worker" adds weight 1 and zero sums: an empty window here still applies."""
+
+    def reduce_window(self, sums_and_vars, weight):
+        return list(sums_and_vars), weight + 1.0
+
+
+def test_an_empty_window_contributes_zeros_not_the_last_windows_sums():
+    """No pass zeroes the caches; the manual ``apply_op`` of an empty window must still send zeros."""
+    with tf.Graph().as_default():
+        c = tf.compat.v1.placeholder(tf.float64, [2])
+        w = tf.compat.v1.get_variable("w", initializer=np.array([1.0, 2.0]))
+        opt = gradaccum.GradientAccumulator(
+            _PeerWithWeight(tf.compat.v1.train.GradientDescentOptimizer(1.0), None), 2)
+        train_op = opt.minimize(tf.reduce_sum(c * w))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for value in ([3.0, 4.0], [5.0, 6.0]):  # a window: sums (8, 10), weight 2 + 1
+                sess.run(train_op, {c: value})
+            after_window = sess.run(w)
+            np.testing.assert_allclose(after_window, [1.0 - 8.0 / 3, 2.0 - 10.0 / 3])
+            assert np.any(sess.run(opt.accumulators[0])) and sess.run(opt.micro_step) == 0
+            sess.run(opt.apply_op)  # empty here: the peer's weight 1 over zero sums, a zero update
+            np.testing.assert_array_equal(sess.run(w), after_window)
+
+
 def test_one_buffer_per_dtype_split_above_buffer_bytes_and_sparse_densified():
     with tf.Graph().as_default():
         _, loss, (w, emb) = _sparse_problem()
