@@ -26,11 +26,13 @@ SETUPS = {
     "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
             "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
 }
-ROUNDS = {False: {"mlp10m": 27, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
-SECONDS = {"mlp10m": 35, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
-# Timing children per setup, their rounds pooled. Where its buffers land differs from one process to
-# the next, and moves a 10M-parameter row by a few percent either way: more than the effects measured.
-PROCESSES = {False: {"mlp10m": 3, "cnn": 2}, True: {"mlp10m": 1, "cnn": 1}}
+ROUNDS = {False: {"mlp10m": 20, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
+SECONDS = {"mlp10m": 27, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
+# Timing children per setup, their rounds pooled. Where a bench's buffers land moves a 10M-parameter
+# row by a few percent, and depends on the order the benches are built in (the first model built ran
+# 2 to 3% slower than the same graph built second): odd children build their rows in reverse order,
+# so each pair is built both ways round equally often.
+PROCESSES = {False: {"mlp10m": 4, "cnn": 2}, True: {"mlp10m": 1, "cnn": 1}}
 ERROR_WINDOWS = {False: 10, True: 4}
 ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod")
 LABELS = {
@@ -148,7 +150,8 @@ def measure(spec):
         reason = unavailable(spec["row"])
         return {"skipped": reason} if reason else harness.measure_memory(_build(spec["row"], setup))
     skipped = dict((row, unavailable(row)) for row in setup["rows"] if unavailable(row))
-    benches = [_build(row, setup) for row in setup["rows"] if row not in skipped]
+    order = setup["rows"][::-1] if spec.get("repeat", 0) % 2 else setup["rows"]
+    benches = [_build(row, setup) for row in order if row not in skipped]
     params = harness.trainable_floats(benches[0].session.graph)
     extra = [harness.stream_bench(params), harness.numpy_stream_bench(params)] if setup.get("floor") else []
     try:

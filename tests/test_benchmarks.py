@@ -204,6 +204,13 @@ def test_tiny_peers_measurement_gives_finite_times_and_the_right_errors():
     assert keys["floor_ms"] > 0 and keys["stream_bandwidth_gbs"] > 0
 
 
+def test_odd_timing_children_build_their_rows_in_reverse_order():
+    spec = {"kind": "time", "setup": "mlp10m", "rounds": 1, "error_windows": 0, "override": TINY_MLP, "repeat": 1}
+    result = peers.measure(spec)
+    built = [row for row in peers.SETUPS["mlp10m"]["rows"] if row not in result["skipped"]]
+    assert list(result["variable_bytes"]) == built[::-1] and result["profile"] is None
+
+
 def test_tiny_towers_group_times_every_available_row():
     rows = ["one_device", "towers2", "towers2_sync_bn"]
     spec = {"kind": "time", "group": "towers", "rounds": 1, "override": {"rows": rows},
