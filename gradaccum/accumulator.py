@@ -165,6 +165,9 @@ class GradientAccumulator(WrappingOptimizer):
         self._accumulation_dtype = _check_accumulation_dtype(accumulation_dtype)
         self._skip_nonfinite = _validate.check_bool(skip_nonfinite, "skip_nonfinite")
         self._use_statistics = _validate.check_bool(statistics, "statistics")
+        # Facts about the wrapped chain, which never changes: read once, not per build step.
+        self._reducer = _reducer(optimizer)
+        self._loss_scaled = _skips_nonfinite(optimizer)
         self._windows = []
 
     # ------------------------------------------------------------------ API
@@ -301,11 +304,10 @@ class GradientAccumulator(WrappingOptimizer):
         weighted gradients, nor for a callable loss, whose shape is not known yet,
         nor where a cache is wider than its gradient (``accumulation_dtype``,
         half-precision variables): the product is then taken in the cache's
-        dtype. Nor across
-        processes (a reducer, or collective ops behind the loss, as in
-        worker-synchronised batch norm): there each worker's backward pass mixes
-        in the others', which carry their own weights, so scaling it is not
-        scaling the gradient.
+        dtype. Nor across processes (a reducer, or collective ops behind the
+        loss, as in worker-synchronised batch norm): there each worker's
+        backward pass mixes in the others', which carry their own weights, so
+        scaling it is not scaling the gradient.
         """
         if weight is None or self._k == 1 or self._use_statistics or callable(loss):
             return False
@@ -313,7 +315,7 @@ class GradientAccumulator(WrappingOptimizer):
         variables = tf.compat.v1.trainable_variables() if var_list is None else var_list
         return (dtype in _ACCUMULATION_DTYPES and self._accumulation_dtype in (None, dtype)
                 and all(v.dtype.base_dtype == dtype for v in variables)
-                and not _skips_nonfinite(self._optimizer) and _reducer(self._optimizer) is None
+                and not self._loss_scaled and self._reducer is None
                 and not _crosses_processes(loss))
 
     def _build(self, grads_and_vars, global_step, name, weight, update_ops, small_batches, weighted_grads):
@@ -440,7 +442,7 @@ class GradientAccumulator(WrappingOptimizer):
 
     def _build_direct(self, grads_and_vars, pairs, weight, global_step, name, update_ops, small_batches):
         """k = 1: the wrapped optimizer's own train op, unless something must be decided or observed."""
-        reducer = _reducer(self._optimizer)
+        reducer = self._reducer
         decide = weight is not None or self._skip_nonfinite or reducer is not None
         if not (decide or self._use_statistics or self._clip_norm is not None):
             with tf.control_dependencies(update_ops):
@@ -540,7 +542,7 @@ class GradientAccumulator(WrappingOptimizer):
         those of a skipped window. With a reducer, ``sums`` and ``total`` are
         reduced first and every worker decides on the same values.
         """
-        reducer = _reducer(self._optimizer)
+        reducer = self._reducer
         if reducer is not None:
             sums, total = reducer.reduce_window(sums, total)
         usable = self._usable(sums, total)
@@ -558,7 +560,7 @@ class GradientAccumulator(WrappingOptimizer):
             checks.append(tf.greater(total, 0, name="has_weight"))
         # A loss-scale optimizer must see a non-finite window itself, or its
         # scale would never come down: _apply follows its decision instead.
-        if self._skip_nonfinite and not _skips_nonfinite(self._optimizer):
+        if self._skip_nonfinite and not self._loss_scaled:
             checks.append(_all_finite(sums))
         if not checks:
             return None
@@ -569,7 +571,7 @@ class GradientAccumulator(WrappingOptimizer):
         stats = state.stats
         # The wrapped loss-scale optimizer skips a non-finite window on its own;
         # the same test, on the same tensors, keeps the statistics out of it too.
-        finite = _all_finite(averaged) if _skips_nonfinite(self._optimizer) else None
+        finite = _all_finite(averaged) if self._loss_scaled else None
         observed = []
         if stats is not None:
             def observe():
@@ -580,7 +582,7 @@ class GradientAccumulator(WrappingOptimizer):
             grads, variables = zip(*averaged)
             grads, _ = tf.clip_by_global_norm(list(grads), self._clip_norm, name="clip")
             averaged = list(zip(grads, variables))
-        reducer = _reducer(self._optimizer)
+        reducer = self._reducer
         # The wrapped optimizer's non-slot variables (Adam's beta powers) are
         # named from the current scope: use the caller's, as plain training would.
         graph = tf.compat.v1.get_default_graph()

@@ -120,7 +120,8 @@ class GradientStatistics(object):
         self._names = frozenset(var.name for var in variables)
         first = min(variables, key=lambda v: v.name)
         with tf.compat.v1.name_scope("statistics"):
-            self._vars = dict((name, state_variable(name, [], self._dtype, first)) for name in _WINDOW + _LAST + _SMOOTHED)
+            self._vars = dict((name, state_variable(name, [], self._dtype, first))
+                              for name in _WINDOW + _LAST + _SMOOTHED)
             self._vars["windows"] = state_variable("windows", [], tf.int64, first)
 
     # ---------------------------------------------------------- the estimates
@@ -248,7 +249,8 @@ class GradientStatistics(object):
         Args:
           averaged_grads: the window's averaged gradients (before clipping).
           window_weight: the weight the window's sums were divided by (summed
-            over workers when reduced): a scalar tensor, or ``None`` (the small batches' weights, one worker).
+            over workers when reduced): a scalar tensor, or ``None`` (the
+            small batches' weights, one worker).
 
         Returns:
           An op; it reads the small batches' sums, so it must run after the
