@@ -864,31 +864,29 @@ def test_one_micro_step_makes_one_pass_per_cache_and_one_division_at_the_end(wei
         assert sorted(grad_used_by) == sorted([kernel, first])
 
 
+def _minimize_cache_kernels(**kwargs):
+    """``minimize(loss, weight=batch size)`` with k = 4 on the float32 MLP: per cache, the ops of one
+    micro-step that write it or add to it (every op on it but the window end's read)."""
+    with tf.Graph().as_default(), gradaccum._compat.v1_control_flow():
+        x, y, loss, variables = _mlp(np.float32)
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4, **kwargs)
+        ops = _reachable(acc.minimize(loss, weight=tf.shape(x)[0]))
+        return [[op for op in _uses(cache.handle, ops) if op.type != "ReadVariableOp"] for cache in acc.accumulators]
+
+
 def test_weight_given_to_minimize_costs_no_pass_over_the_gradients():
     """The weight rides on backprop (``grad_loss``): each gradient goes straight into the
     write or the add kernel, with no product and no weighted kernel."""
-    with tf.Graph().as_default(), gradaccum._compat.v1_control_flow():
-        x, y, loss, variables = _mlp(np.float32)
-        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
-        train_op = acc.minimize(loss, weight=tf.shape(x)[0])
-        ops = _reachable(train_op)
-        for cache in acc.accumulators:
-            kernels = [op for op in _uses(cache.handle, ops) if op.type != "ReadVariableOp"]
-            assert sorted(op.type for op in kernels) == ["AssignAddVariableOp", "AssignVariableOp"]
-            assert [op.inputs[1].op.type for op in kernels] == ["Switch", "Switch"]
+    for kernels in _minimize_cache_kernels():
+        assert sorted(op.type for op in kernels) == ["AssignAddVariableOp", "AssignVariableOp"]
+        assert [op.inputs[1].op.type for op in kernels] == ["Switch", "Switch"]
 
 
 @pytest.mark.parametrize("kwargs", [{"accumulation_dtype": tf.float64}, {"statistics": True}],
                          ids=["wider_caches", "statistics"])
 def test_weight_stays_in_the_add_kernel_where_backprop_cannot_carry_it_exactly(kwargs):
-    with tf.Graph().as_default(), gradaccum._compat.v1_control_flow():
-        x, y, loss, variables = _mlp(np.float32)
-        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4, **kwargs)
-        train_op = acc.minimize(loss, weight=tf.shape(x)[0])
-        ops = _reachable(train_op)
-        for cache in acc.accumulators:
-            kernels = sorted(op.type for op in _uses(cache.handle, ops) if op.type != "ReadVariableOp")
-            assert kernels == ["AssignVariableOp", "ResourceApplyGradientDescent"]
+    for kernels in _minimize_cache_kernels(**kwargs):
+        assert sorted(op.type for op in kernels) == ["AssignVariableOp", "ResourceApplyGradientDescent"]
 
 
 def test_skip_nonfinite_adds_one_read_of_the_sums_only():
