@@ -51,7 +51,6 @@ A minimal family (``engines.py`` would look the same)::
 Graph state: each bench's graph holds its model's variables (``model/...``,
 ``mlp/...``), ``global_step``, the optimizer's slots and the trainer's own state.
 """
-import argparse
 import collections
 import importlib
 import importlib.util
@@ -68,6 +67,10 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+if EXAMPLES not in sys.path:  # The example's CNN, and the examples' one-line flag parser.
+    sys.path.insert(0, EXAMPLES)
+
+from _cli import OneLineParser  # noqa: E402,F401  (run.py's and soak.py's parser; imports no TF)
 RESULT_PREFIX = "BENCH_RESULT "
 MB = 1024.0 * 1024.0
 LEARNING_RATE = 1e-3  # Adam, for timing; small enough to stay finite on random labels.
@@ -143,8 +146,6 @@ def cnn(images, labels, width=16, batch_norm=None):
     """
     import inspect
 
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
     import fashion_mnist_subdivision as example
 
     if batch_norm is None:
@@ -646,14 +647,6 @@ def fmt(value, digits=3):
 def mb(value):
     """A table cell: ``n/a`` for None, else bytes as whole MiB."""
     return "n/a" if value is None else "%.0f MB" % (value / MB)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose bad flags are one line on stderr and exit status 2, no usage block."""
-
-    def error(self, message):
-        sys.stderr.write("%s: error: %s\n" % (self.prog, " ".join(str(message).split())))
-        sys.exit(2)
 
 
 def markdown_table(header, rows):

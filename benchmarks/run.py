@@ -28,6 +28,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import harness  # noqa: E402
+from peers import NOT_TRAINING  # noqa: E402  (imports no TF)
 
 CORE_FAMILIES = ("peers", "features", "memory")
 
@@ -57,7 +58,7 @@ def parse_args(argv=None):
       >>> parse_args(["--quick"]).quick
       True
     """
-    parser = harness.OneLineParser(prog="run.py", description=__doc__.split("\n")[0])
+    parser = harness.OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, fewer children: the trend only")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--tf-mode", choices=("tf1", "tf2"), default="tf1",
@@ -152,7 +153,7 @@ def readme_table(summary):
             row("2 towers: synchronized BN / per-tower BN, time per example", "towers2_sync_bn_over_per_tower_bn_time"),
             row("4 towers / one device (virtual CPUs), time per example", "towers4_over_one_device_time")]
     lines = harness.markdown_table(["what", "measured", "target"], rows) + [""]
-    peers = [p for p in summary.get("peers", []) if p["name"] not in ("fwd_bwd", "wrapped_apply")]
+    peers = [p for p in summary.get("peers", []) if p["name"] not in NOT_TRAINING]
     cells = [[p["model"], p["label"], "skipped: %s" % p["skipped"] if p.get("skipped") and p["time_ratio"] is None
               else "%s%s" % (harness.fmt(p["time_ratio"]), "" if not p.get("time_ratio_ci95") else " (%s-%s)" % (
                   harness.fmt(p["time_ratio_ci95"][0]), harness.fmt(p["time_ratio_ci95"][1]))),

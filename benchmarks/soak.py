@@ -45,7 +45,7 @@ def parse_args(argv=None):
       >>> parse_args(["--steps", "1000"]).steps
       1000
     """
-    parser = harness.OneLineParser(prog="soak.py", description=__doc__.split("\n")[0])
+    parser = harness.OneLineParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--steps", type=int, default=20000, help="micro-steps (default 20000)")
     add("--k", type=int, default=8, help="micro-batches per applied update (default 8)")
