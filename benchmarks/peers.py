@@ -1,8 +1,8 @@
 """Family "peers": accumulation beside its peers, correctness included, and the memory floor.
 
 Rows (trainers, see ``harness``): ``ours`` (``GradientAccumulator``, ``weight`` = the
-micro-batch size), ``ours_unweighted`` (``weight=None``), ``plain`` (Adam on every
-micro-batch), ``fwd_bwd`` (forward and backward only), ``wrapped_apply`` (Adam's apply alone,
+micro-batch size), ``ours_unweighted`` (``weight=None``), ``ours_twin`` (``ours`` built
+again: an A/A pair, the resolution of every ratio here), ``plain`` (Adam on every micro-batch), ``fwd_bwd`` (forward and backward only), ``wrapped_apply`` (Adam's apply alone,
 the part of a window the floor leaves out), ``seeds_manual`` (seeds 000/001:
 zero, accumulate, apply ``cache / k`` in three kinds of run), ``tensorpack``
 (``AccumGradOptimizer``) and ``horovod`` (``backward_passes_per_step``, one process).
@@ -21,7 +21,7 @@ import harness
 
 SETUPS = {
     "mlp10m": {"model": "mlp", "model_args": {}, "micro": 8, "k": 8, "floor": True,
-               "rows": ["ours", "ours_unweighted", "plain", "fwd_bwd", "wrapped_apply", "seeds_manual", "tensorpack",
+               "rows": ["ours", "ours_unweighted", "ours_twin", "plain", "fwd_bwd", "wrapped_apply", "seeds_manual", "tensorpack",
                         "horovod"]},
     "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
             "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
@@ -29,15 +29,16 @@ SETUPS = {
 ROUNDS = {False: {"mlp10m": 20, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
 SECONDS = {"mlp10m": 27, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
 # Timing children per setup, their rounds pooled. Where a bench's buffers land moves a 10M-parameter
-# row by a few percent, and depends on the order the benches are built in (the first model built ran
-# 2 to 3% slower than the same graph built second): odd children build their rows in reverse order,
-# so each pair is built both ways round equally often.
-PROCESSES = {False: {"mlp10m": 4, "cnn": 2}, True: {"mlp10m": 1, "cnn": 1}}
+# row by a few percent (``ours_twin`` against ``ours``: one graph built twice, 0.96 to 1.01 in single
+# children) and depends on the order the benches are built in: eight MLP children average over eight
+# placements, and odd ones build their rows in reverse order, so each pair is built both ways round.
+PROCESSES = {False: {"mlp10m": 8, "cnn": 2}, True: {"mlp10m": 1, "cnn": 1}}
 ERROR_WINDOWS = {False: 10, True: 4}
 ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod")
 LABELS = {
     "ours": "gradaccum `GradientAccumulator`, weight = micro-batch size",
     "ours_unweighted": "gradaccum, `weight=None`",
+    "ours_twin": "gradaccum, weight = micro-batch size, built again (A/A: the resolution)",
     "plain": "plain Adam on every micro-batch (no accumulation)",
     "fwd_bwd": "forward + backward only (no update)",
     "wrapped_apply": "the wrapped Adam's apply alone, from fixed gradients (time per apply)",
@@ -94,11 +95,13 @@ def horovod(model_fn, images, labels, k, make_optimizer, global_step):
         return harness.Window([], optimizer.minimize(loss, global_step=global_step), [])
 
 
-ROWS = {"ours": harness.ours, "ours_unweighted": harness.ours_unweighted, "plain": harness.plain,
+ROWS = {"ours": harness.ours, "ours_unweighted": harness.ours_unweighted, "ours_twin": harness.ours,
+        "plain": harness.plain,
         "fwd_bwd": harness.fwd_bwd, "wrapped_apply": wrapped_apply, "seeds_manual": seeds_manual,
         "tensorpack": tensorpack, "horovod": horovod}
 IMPORTS = {"tensorpack": "tensorpack.tfutils.optimizer", "horovod": "horovod.tensorflow"}
 NOT_TRAINING = ("fwd_bwd", "wrapped_apply")  # Parts of a step, timed for the floor: not peers.
+TIMING_ONLY = NOT_TRAINING + ("ours_twin",)  # No memory child: ``ours`` measures the same graph.
 
 
 def unavailable(row):
@@ -126,7 +129,7 @@ def plan(quick):
                   "env": {"TF_ENABLE_ONEDNN_OPTS": "0"}})
     # Memory per row on the MLP only: the CNN's 0.4 MB of parameters make every row alike there.
     specs += [{"kind": "memory", "setup": "mlp10m", "row": row, "env": {"TF_CPU_ALLOCATOR_USE_BFC": "true"}}
-              for row in SETUPS["mlp10m"]["rows"] if row not in NOT_TRAINING
+              for row in SETUPS["mlp10m"]["rows"] if row not in TIMING_ONLY
               and (row not in IMPORTS or importlib.util.find_spec(row) is not None)]  # Not installed: no child.
     return specs
 
@@ -292,6 +295,8 @@ def summarize(results):
             keys.update(_floor(result))
             keys["mlp10m_weighted_over_unweighted_time"], keys["mlp10m_weighted_over_unweighted_time_ci95"] = \
                 harness.ratio_with_ci(result["times"], "ours", "ours_unweighted")
+            keys["mlp10m_twin_over_ours_time"], keys["mlp10m_twin_over_ours_time_ci95"] = \
+                harness.ratio_with_ci(result["times"], "ours_twin", "ours")
             keys["fused_over_plain_time_mlp10m"] = harness.ratio_with_ci(result["times"], "ours", "plain")[0]
         if result.get("profile"):
             keys["mlp10m_profile"] = _profile_account(result["profile"], result["k"])

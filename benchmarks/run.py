@@ -139,6 +139,8 @@ def readme_table(summary):
     rows = [row("the example's CNN: ours / plain training, time per micro-step", "fused_over_plain_time", "<= 1.02"),
             row("the same with `TF_ENABLE_ONEDNN_OPTS=0`", "fused_over_plain_time_onednn_off"),
             row("10M MLP: `weight` given / `weight=None`", "mlp10m_weighted_over_unweighted_time", "<= 1.01"),
+            row("10M MLP, A/A: ours built twice, the second / the first (the resolution of these ratios)",
+                "mlp10m_twin_over_ours_time"),
             row("10M MLP: (ours - forward+backward) / floor", "mlp10m_overhead_over_floor", "<= 1.10"),
             row("the same, less the wrapped Adam's apply (once per window): the accumulator's own cost / floor",
                 "mlp10m_own_overhead_over_floor"),

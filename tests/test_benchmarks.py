@@ -66,7 +66,8 @@ def _peers_results():
     """The 10M MLP made up: 1e6 params, k = 8; a pass over them takes 1.2 ms, so the floor is 1.3 ms."""
     ms = lambda *values: [v * 1e-3 for v in values]  # noqa: E731
     mlp = {"setup": "mlp10m", "tag": None, "micro": 8, "k": 8, "model": "mlp", "model_args": {}, "params": 10 ** 6,
-           "times": {"ours": ms(5.3, 5.3, 5.3), "ours_unweighted": ms(5.3, 5.2, 5.4), "fwd_bwd": ms(4.0, 4.0, 4.0),
+           "times": {"ours": ms(5.3, 5.3, 5.3), "ours_unweighted": ms(5.3, 5.2, 5.4), "ours_twin": ms(5.565, 5.3, 5.3),
+                     "fwd_bwd": ms(4.0, 4.0, 4.0),
                      "plain": ms(6.0, 6.0, 6.0), "seeds_manual": ms(5.4, 5.4, 5.4), "tensorpack": ms(5.2, 5.3, 5.2),
                      "stream": ms(1.2, 1.2, 1.2), "stream_numpy": ms(2.4, 2.4, 2.4),
                      "wrapped_apply": ms(2.6, 2.6, 2.6)},
@@ -97,6 +98,8 @@ def test_peers_summary_has_the_floor_and_the_peers_rows():
     assert keys["mlp10m_own_overhead_over_floor"] == pytest.approx(0.75)  # (5.3 - 4.0 - 2.6 / 8) / 1.3.
     assert keys["mlp10m_wrapped_apply_ms"] == pytest.approx(2.6)
     assert keys["mlp10m_weighted_over_unweighted_time"] == pytest.approx(5.3 / 5.3)
+    assert keys["mlp10m_twin_over_ours_time"] == pytest.approx(1.0)  # median of 1.05, 1.0 and 1.0.
+    assert keys["mlp10m_twin_over_ours_time_ci95"][1] == pytest.approx(1.05)
     assert keys["fused_over_plain_time"] == pytest.approx(1.05)  # median of 1.0 and 1.1.
     assert keys["fused_over_plain_time_onednn_off"] == pytest.approx(40.0 / 41.0)
     rows = dict(((r["model"], r["name"]), r) for r in keys["peers"])
@@ -180,6 +183,7 @@ def test_plans_name_only_known_rows_and_groups():
     for quick in (False, True):
         for spec in peers.plan(quick):
             assert spec["setup"] in peers.SETUPS and set(spec.get("rows", [])) <= set(peers.ROWS)
+            assert spec["kind"] != "memory" or spec["row"] not in peers.TIMING_ONLY  # ours_twin: ours' graph
         assert [spec["group"] for spec in features.plan(quick)] == list(features.GROUPS)
         assert all(spec["env"]["TF_CPU_ALLOCATOR_USE_BFC"] == "true" for spec in memory.plan(quick))
     assert all(set(group["rows"]) <= set(features.ROWS) for group in features.GROUPS.values())
@@ -190,7 +194,8 @@ def test_tiny_peers_measurement_gives_finite_times_and_the_right_errors():
     result = peers.measure(spec)
     for name, series in result["times"].items():
         assert len(series) == 2 and all(math.isfinite(t) and t > 0 for t in series), name
-    assert set(result["times"]) >= {"ours", "ours_unweighted", "plain", "fwd_bwd", "seeds_manual", "stream"}
+    assert set(result["times"]) >= {"ours", "ours_unweighted", "ours_twin", "plain", "fwd_bwd", "seeds_manual",
+                                    "stream"}
     assert result["params"] == 784 * 8 + 8 + 8 * 10 + 10
     for row in ("ours", "ours_unweighted", "seeds_manual"):
         assert max(result["errors"][row]) < 1e-4, row
