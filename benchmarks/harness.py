@@ -19,7 +19,7 @@ The API (all seconds are per micro-step, i.e. per ``session.run`` of a train op)
   A bench that is not a TF graph is any ``Bench`` with a ``run_window`` (``session=None``).
 * ``stream_bench(num_floats)``, ``numpy_stream_bench(num_floats)``: ``a += b`` passes over
   ``num_floats`` floats, timed with the others; ``stream_bandwidth_gbs(times, num_floats)``.
-* ``time_side_by_side(benches, rounds)``: interleaved rounds, rotating order ->
+* ``time_side_by_side(benches, rounds)``: interleaved rounds, shuffled order ->
   ``{name: [seconds per micro-step, one per round]}``; ``paired_ratio``, ``median_ci95``,
   ``ratio_with_ci(times, top, bottom)``.
 * ``measure_memory(bench)``: peak RSS (getrusage + psutil sampling) and TF allocator
@@ -57,6 +57,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -389,8 +390,12 @@ def close(benches):
 # ------------------------------------------------------------------ timing
 
 
-def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, min_rounds=5):
-    """Times benches in interleaved rounds, rotating the order every round.
+def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, min_rounds=5, seed=0):
+    """Times benches in interleaved rounds, in a new random order every round.
+
+    A shuffle, not a rotation: a rotation keeps each bench's predecessor, and a
+    bench right after one that flushed the caches or idled TF's threads (the
+    numpy stream) paid for it in every round.
 
     Args:
       benches: list of ``Bench``.
@@ -400,6 +405,7 @@ def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, mi
       max_seconds: stop after the round that passes this many seconds (a loaded
         machine keeps the run bounded), once ``min_rounds`` rounds are done.
       min_rounds: see ``max_seconds``.
+      seed: seeds the orders (each child passes its own, so that pooled children differ).
 
     Returns:
       ``{name: [seconds per micro-step, one per round]}``.
@@ -410,12 +416,13 @@ def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, mi
     for bench in benches:
         for _ in range(warmup):
             bench.run_window()
-    times, begin = dict((bench.name, []) for bench in benches), time.perf_counter()
+    times, begin, shuffler = dict((bench.name, []) for bench in benches), time.perf_counter(), random.Random(seed)
     for index in range(rounds):
         if max_seconds is not None and index >= min_rounds and time.perf_counter() - begin > max_seconds:
             break
-        shift = index % len(benches)
-        for bench in benches[shift:] + benches[:shift]:
+        order = list(benches)
+        shuffler.shuffle(order)
+        for bench in order:
             start = time.perf_counter()
             for _ in range(windows):
                 bench.run_window()

@@ -2,8 +2,9 @@
 
 Rows (trainers, see ``harness``): ``ours`` (``GradientAccumulator``, ``weight`` = the
 micro-batch size), ``ours_unweighted`` (``weight=None``), ``ours_twin`` (``ours`` built
-again: an A/A pair, the resolution of every ratio here), ``plain`` (Adam on every micro-batch), ``fwd_bwd`` (forward and backward only), ``wrapped_apply`` (Adam's apply alone,
-the part of a window the floor leaves out), ``seeds_manual`` (seeds 000/001:
+again: an A/A pair, the resolution of every ratio here), ``plain`` (Adam on every
+micro-batch), ``fwd_bwd`` (forward and backward only), ``wrapped_apply`` (Adam's apply
+alone, the part of a window the floor leaves out), ``seeds_manual`` (seeds 000/001:
 zero, accumulate, apply ``cache / k`` in three kinds of run), ``tensorpack``
 (``AccumGradOptimizer``) and ``horovod`` (``backward_passes_per_step``, one process).
 A peer is one trainer function plus one ``ROWS`` entry; a model is one ``SETUPS`` entry.
@@ -21,8 +22,8 @@ import harness
 
 SETUPS = {
     "mlp10m": {"model": "mlp", "model_args": {}, "micro": 8, "k": 8, "floor": True,
-               "rows": ["ours", "ours_unweighted", "ours_twin", "plain", "fwd_bwd", "wrapped_apply", "seeds_manual", "tensorpack",
-                        "horovod"]},
+               "rows": ["ours", "ours_unweighted", "ours_twin", "plain", "fwd_bwd", "wrapped_apply", "seeds_manual",
+                        "tensorpack", "horovod"]},
     "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
             "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
 }
@@ -158,7 +159,7 @@ def measure(spec):
     params = harness.trainable_floats(benches[0].session.graph)
     extra = [harness.stream_bench(params), harness.numpy_stream_bench(params)] if setup.get("floor") else []
     try:
-        times = harness.time_side_by_side(benches + extra, spec["rounds"],
+        times = harness.time_side_by_side(benches + extra, spec["rounds"], seed=spec.get("repeat", 0),
                                           max_seconds=SECONDS[spec.get("tag") or spec["setup"]])
         named = dict((bench.name, bench) for bench in benches)
         profiled = setup.get("floor") and "ours" in named and "fwd_bwd" in named and not spec.get("repeat")

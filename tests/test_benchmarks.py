@@ -40,15 +40,22 @@ def test_paired_ratio_and_median_interval():
         harness.paired_ratio([1.0, 2.0], [1.0])
 
 
-def test_time_side_by_side_rotates_the_order_and_respects_its_time_budget():
+def test_time_side_by_side_shuffles_the_order_and_respects_its_time_budget():
     order = []
 
     def bench(name, micro_steps):
         return harness.Bench(name, None, lambda feeds=None: order.append(name), micro_steps, [], None, None, 0)
 
-    benches = [bench("a", 2), bench("b", 4)]
-    times = harness.time_side_by_side(benches, rounds=3, warmup=0)
-    assert order == ["a", "b", "b", "a", "a", "b"] and [len(times[n]) for n in "ab"] == [3, 3]
+    benches = [bench("a", 2), bench("b", 4), bench("c", 1)]
+    times = harness.time_side_by_side(benches, rounds=30, warmup=0)
+    rounds = [order[i:i + 3] for i in range(0, 90, 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds) and [len(times[n]) for n in "abc"] == [30, 30, 30]
+    # A rotation would keep each bench's predecessor; a shuffle gives each one every other as predecessor.
+    assert set(r[r.index("a") - 1] for r in rounds if r[0] != "a") == {"b", "c"}
+    assert len(set(map(tuple, rounds))) == 6
+    del order[:]
+    harness.time_side_by_side(benches, rounds=30, warmup=0, seed=1)
+    assert [order[i:i + 3] for i in range(0, 90, 3)] != rounds
     assert all(t >= 0 for t in times["a"] + times["b"])
     assert len(harness.time_side_by_side(benches, rounds=50, warmup=0, max_seconds=0.0, min_rounds=2)["a"]) == 2
     # The budget is the whole run's: 10 ms per round, so about 5 of 50 rounds fit in 0.05 s (not each bench's).
