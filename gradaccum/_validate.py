@@ -122,6 +122,29 @@ def check_positive_number(value, arg):
     return float(value)
 
 
+def check_seconds(value, arg):
+    """Checks a duration: a finite number > 0, returned as a float.
+
+    Args:
+      value: the value to check.
+      arg: the argument's name, for the message.
+
+    Returns:
+      ``value`` as a float.
+
+    Raises:
+      TypeError: for None, a bool or a non-number.
+      ValueError: for a number <= 0, NaN or infinity.
+
+    Example:
+      >>> check_seconds(60, "timeout_seconds")
+      60.0
+    """
+    if value is None:
+        raise TypeError("`%s` must be a number of seconds > 0, got None" % arg)
+    return check_positive_number(value, arg)
+
+
 def check_scalar_tensor(value, arg, allow_none=False):
     """Converts ``value`` to a numeric tensor and checks that it is a scalar.
 

@@ -323,29 +323,6 @@ def wait_for_tasks(config, timeout_seconds=300.0, poll_seconds=0.5):
         time.sleep(poll_seconds)
 
 
-def check_seconds(value, arg):
-    """Checks a duration: a finite number > 0, returned as a float.
-
-    Args:
-      value: the value to check.
-      arg: the argument's name, for the message.
-
-    Returns:
-      ``value`` as a float.
-
-    Raises:
-      TypeError: for None, a bool or a non-number.
-      ValueError: for a number <= 0, NaN or infinity.
-
-    Example:
-      >>> check_seconds(60, "timeout_seconds")
-      60.0
-    """
-    if value is None:
-        raise TypeError("`%s` must be a number of seconds > 0, got None" % arg)
-    return _validate.check_positive_number(value, arg)
-
-
 _NOT_THE_CAUSE = ("Graph execution error", "Additional GRPC error information", ":UNKNOWN:", "[[",
                   "The error could be from", "Original stack trace", "Errors may have originated",
                   "0 successful operations", "0 derived errors", "From /job:")
@@ -438,10 +415,10 @@ class Heartbeat(object):
 
     def __init__(self, server, config, peers=None, timeout_seconds=DEFAULT_HEARTBEAT_SECONDS, interval_seconds=None,
                  startup_timeout_seconds=300.0, on_failure=None):
-        self._timeout = check_seconds(timeout_seconds, "timeout_seconds")
-        self._startup = check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
+        self._timeout = _validate.check_seconds(timeout_seconds, "timeout_seconds")
+        self._startup = _validate.check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
         interval = min(max(self._timeout / 6.0, 0.5), 10.0) if interval_seconds is None else interval_seconds
-        self._interval = check_seconds(interval, "interval_seconds")
+        self._interval = _validate.check_seconds(interval, "interval_seconds")
         everyone = [(job, i) for job in sorted(config.cluster) for i in range(len(config.cluster[job]))]
         me = (config.task_type, config.task_index)
         self._peers = [t for t in everyone if t != me] if peers is None else [tuple(p) for p in peers]

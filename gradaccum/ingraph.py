@@ -22,7 +22,7 @@ import time
 
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.cluster import DEFAULT_HEARTBEAT_SECONDS, ClusterError, Heartbeat, _reachable, check_seconds
+from gradaccum.cluster import DEFAULT_HEARTBEAT_SECONDS, ClusterError, Heartbeat, _reachable
 
 _DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 
@@ -37,7 +37,8 @@ def _device_names(config, device):
     for item in device:
         match = _DEVICE_RE.match(item) if isinstance(item, str) else None
         if match is None:
-            raise ValueError("`device` entries must look like \"cpu:0\" or \"gpu:1\", got %s" % _validate.describe(item))
+            raise ValueError("`device` entries must look like \"cpu:0\" or \"gpu:1\", got %s"
+                             % _validate.describe(item))
         names.append("%s:%s" % (match.group(1).lower(), match.group(2)))
     return names
 
@@ -216,8 +217,8 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
     if config.is_chief:
         raise ValueError("`config` must be a non-chief task's, got the chief %s" % config.task_name)
     # Checked here, under their own names: the Heartbeat below gets their sum.
-    startup_timeout_seconds = check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
-    heartbeat_timeout_seconds = check_seconds(heartbeat_timeout_seconds, "heartbeat_timeout_seconds")
+    startup_timeout_seconds = _validate.check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
+    heartbeat_timeout_seconds = _validate.check_seconds(heartbeat_timeout_seconds, "heartbeat_timeout_seconds")
     deadline = time.time() + startup_timeout_seconds
     options = tf.compat.v1.RunOptions(timeout_in_ms=int(poll_seconds * 1000))
     failures = []
