@@ -30,9 +30,10 @@ SETUPS = {
 ROUNDS = {False: {"mlp10m": 20, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
 SECONDS = {"mlp10m": 27, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
 # Timing children per setup, their rounds pooled. Where a bench's buffers land moves a 10M-parameter
-# row by a few percent (``ours_twin`` against ``ours``: one graph built twice, 0.96 to 1.01 in single
-# children) and depends on the order the benches are built in: eight MLP children average over eight
-# placements, and odd ones build their rows in reverse order, so each pair is built both ways round.
+# row by a few percent (``ours_twin`` against ``ours``, one graph built twice: 0.96 to 1.01 in single
+# children): eight MLP children average over eight placements, and odd ones build their rows in
+# reverse order, so each pair is built both ways round. (A build-order effect measured before the
+# rounds were shuffled was at least partly the rotation's: it fixed each bench's predecessor.)
 PROCESSES = {False: {"mlp10m": 8, "cnn": 2}, True: {"mlp10m": 1, "cnn": 1}}
 ERROR_WINDOWS = {False: 10, True: 4}
 ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod")
@@ -97,9 +98,8 @@ def horovod(model_fn, images, labels, k, make_optimizer, global_step):
 
 
 ROWS = {"ours": harness.ours, "ours_unweighted": harness.ours_unweighted, "ours_twin": harness.ours,
-        "plain": harness.plain,
-        "fwd_bwd": harness.fwd_bwd, "wrapped_apply": wrapped_apply, "seeds_manual": seeds_manual,
-        "tensorpack": tensorpack, "horovod": horovod}
+        "plain": harness.plain, "fwd_bwd": harness.fwd_bwd, "wrapped_apply": wrapped_apply,
+        "seeds_manual": seeds_manual, "tensorpack": tensorpack, "horovod": horovod}
 IMPORTS = {"tensorpack": "tensorpack.tfutils.optimizer", "horovod": "horovod.tensorflow"}
 NOT_TRAINING = ("fwd_bwd", "wrapped_apply")  # Parts of a step, timed for the floor: not peers.
 TIMING_ONLY = NOT_TRAINING + ("ours_twin",)  # No memory child: ``ours`` measures the same graph.
