@@ -27,14 +27,14 @@ SETUPS = {
     "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
             "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
 }
-ROUNDS = {False: {"mlp10m": 20, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 5, "cnn": 3, "onednn_off": 3}}
+ROUNDS = {False: {"mlp10m": 20, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 10, "cnn": 8, "onednn_off": 5}}
 SECONDS = {"mlp10m": 27, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
 # Timing children per setup, their rounds pooled. Where a bench's buffers land moves a 10M-parameter
 # row by a few percent (``ours_twin`` against ``ours``, one graph built twice: 0.96 to 1.01 in single
 # children): eight MLP children average over eight placements, and odd ones build their rows in
 # reverse order, so each pair is built both ways round. (A build-order effect measured before the
 # rounds were shuffled was at least partly the rotation's: it fixed each bench's predecessor.)
-PROCESSES = {False: {"mlp10m": 8, "cnn": 2}, True: {"mlp10m": 1, "cnn": 1}}
+PROCESSES = {False: {"mlp10m": 8, "cnn": 2}, True: {"mlp10m": 2, "cnn": 2}}
 ERROR_WINDOWS = {False: 10, True: 4}
 ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod")
 LABELS = {
