@@ -394,8 +394,8 @@ def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, mi
     """Times benches in interleaved rounds, in a new random order every round.
 
     A shuffle, not a rotation: a rotation keeps each bench's predecessor, and a
-    bench right after one that flushed the caches or idled TF's threads (the
-    numpy stream) paid for it in every round.
+    bench always run after the numpy stream (cold caches, idle TF threads, we
+    think) measured 2% slower than its own twin in every full run.
 
     Args:
       benches: list of ``Bench``.
