@@ -395,7 +395,7 @@ def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, mi
 
     A shuffle, not a rotation: a rotation keeps each bench's predecessor, and a
     bench always run after the numpy stream (cold caches, idle TF threads, we
-    think) measured 2% slower than its own twin in every full run.
+    think) measured 2% slower than its own twin over a full run.
 
     Args:
       benches: list of ``Bench``.
