@@ -144,6 +144,8 @@ def readme_table(summary):
             row("10M MLP: (ours - forward+backward) / floor", "mlp10m_overhead_over_floor", "<= 1.10"),
             row("the same, less the wrapped Adam's apply (once per window): the accumulator's own cost / floor",
                 "mlp10m_own_overhead_over_floor"),
+            row("the least any accumulator wrapping this Adam could reach: k - 1 adds at the stream's speed, "
+                "no division, plus Adam's apply / k, over the floor", "mlp10m_least_possible_overhead_over_floor"),
             row("the wrapped Adam's apply alone, ms", "mlp10m_wrapped_apply_ms", "-", 2),
             row("floor per micro-step, ms", "floor_ms", "-", 2),
             row("stream bandwidth (`a += b`), GB/s", "stream_bandwidth_gbs", "-", 1),

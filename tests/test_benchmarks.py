@@ -103,6 +103,7 @@ def test_peers_summary_has_the_floor_and_the_peers_rows():
     assert keys["floor_ms"] == pytest.approx(1.3)  # (3 + 2/8) * 4e6 bytes at 10 GB/s.
     assert keys["mlp10m_overhead_over_floor"] == pytest.approx(1.0)  # (5.3 - 4.0) / 1.3.
     assert keys["mlp10m_own_overhead_over_floor"] == pytest.approx(0.75)  # (5.3 - 4.0 - 2.6 / 8) / 1.3.
+    assert keys["mlp10m_least_possible_overhead_over_floor"] == pytest.approx(21.0 / 26 + 0.25)  # 7 adds; 2.6/8/1.3.
     assert keys["mlp10m_wrapped_apply_ms"] == pytest.approx(2.6)
     assert keys["mlp10m_weighted_over_unweighted_time"] == pytest.approx(5.3 / 5.3)
     assert keys["mlp10m_twin_over_ours_time"] == pytest.approx(1.0)  # median of 1.05, 1.0 and 1.0.
