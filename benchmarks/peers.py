@@ -200,6 +200,7 @@ def _floor(result):
             "mlp10m_own_overhead_over_floor": statistics.median(own) if own else None,
             "mlp10m_own_overhead_over_floor_ci95": list(harness.median_ci95(own)) if own else None,
             "mlp10m_least_possible_overhead_over_floor": statistics.median(least) if least else None,
+            "mlp10m_least_possible_overhead_over_floor_ci95": list(harness.median_ci95(least)) if least else None,
             "mlp10m_wrapped_apply_ms": statistics.median(applies) * 1e3 if applies else None,
             "mlp10m_fwd_bwd_ms": statistics.median(times["fwd_bwd"]) * 1e3,
             "stream_tf_gbs": statistics.median(harness.stream_bandwidth_gbs(times, params, ["stream"])),
