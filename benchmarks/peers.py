@@ -25,7 +25,7 @@ SETUPS = {
                "rows": ["ours", "ours_unweighted", "ours_twin", "plain", "fwd_bwd", "wrapped_apply", "seeds_manual",
                         "tensorpack", "horovod"]},
     "cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "floor": False,
-            "rows": ["ours", "plain", "seeds_manual", "tensorpack", "horovod"]},
+            "rows": ["ours", "ours_twin", "plain", "seeds_manual", "tensorpack", "horovod"]},
 }
 ROUNDS = {False: {"mlp10m": 20, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 10, "cnn": 8, "onednn_off": 5}}
 SECONDS = {"mlp10m": 27, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine).
@@ -34,7 +34,7 @@ SECONDS = {"mlp10m": 27, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds 
 # children): eight MLP children average over eight placements, and odd ones build their rows in
 # reverse order, so each pair is built both ways round. (A build-order effect measured before the
 # rounds were shuffled was at least partly the rotation's: it fixed each bench's predecessor.)
-PROCESSES = {False: {"mlp10m": 8, "cnn": 2}, True: {"mlp10m": 2, "cnn": 2}}
+PROCESSES = {False: {"mlp10m": 8, "cnn": 4}, True: {"mlp10m": 2, "cnn": 2}}
 ERROR_WINDOWS = {False: 10, True: 4}
 ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod")
 LABELS = {
@@ -312,5 +312,8 @@ def summarize(results):
         if ("cnn", tag) in timed:
             keys["fused_over_plain_time" + suffix], keys["fused_over_plain_time%s_ci95" % suffix] = \
                 harness.ratio_with_ci(timed[("cnn", tag)]["times"], "ours", "plain")
+    if "ours_twin" in timed.get(("cnn", None), {}).get("times", {}):
+        keys["cnn_twin_over_ours_time"], keys["cnn_twin_over_ours_time_ci95"] = \
+            harness.ratio_with_ci(timed[("cnn", None)]["times"], "ours_twin", "ours")
     keys["peers"] = peers
     return keys, lines

@@ -138,6 +138,7 @@ def readme_table(summary):
 
     rows = [row("the example's CNN: ours / plain training, time per micro-step", "fused_over_plain_time", "<= 1.02"),
             row("the same with `TF_ENABLE_ONEDNN_OPTS=0`", "fused_over_plain_time_onednn_off"),
+            row("the example's CNN, A/A: ours built twice, the second / the first", "cnn_twin_over_ours_time"),
             row("10M MLP: `weight` given / `weight=None`", "mlp10m_weighted_over_unweighted_time", "<= 1.01"),
             row("10M MLP, A/A: ours built twice, the second / the first (the resolution of these ratios)",
                 "mlp10m_twin_over_ours_time"),
