@@ -119,6 +119,12 @@ def headline(summary):
                          summary["floor_ms"], summary["floor_bytes_per_micro_step"] / 1e6,
                          summary["stream_bandwidth_gbs"], summary["stream_tf_gbs"], summary["stream_numpy_gbs"],
                          summary["mlp10m_fwd_bwd_ms"], summary["mlp10m_overhead_ms"]))
+    if summary.get("mlp10m_least_possible_overhead_over_floor") is not None:
+        lines.append("- Less Adam's apply (%.2f ms once per window), ours is %s times the floor. The least any "
+                     "accumulator wrapping this Adam could reach here (k - 1 adds at the stream's speed, no division, "
+                     "plus Adam's apply / k) is %s times the floor." % (
+                         summary["mlp10m_wrapped_apply_ms"], harness.fmt(summary["mlp10m_own_overhead_over_floor"]),
+                         harness.fmt(summary["mlp10m_least_possible_overhead_over_floor"])))
     if summary.get("fused_over_plain_time_onednn_off") is not None:
         lines.append("- CNN, ours / plain with `TF_ENABLE_ONEDNN_OPTS=0` (another process): %s (default: %s)."
                      % (harness.fmt(summary["fused_over_plain_time_onednn_off"]),

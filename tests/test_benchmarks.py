@@ -89,7 +89,8 @@ def _peers_results():
            "spec": {"kind": "time", "setup": "mlp10m"}}
     cnn = {"setup": "cnn", "tag": None, "micro": 100, "k": 5, "model": "cnn", "model_args": {"width": 16},
            "params": None, "times": {"ours": ms(40, 44), "ours_twin": ms(40, 44 * 0.98), "plain": ms(40, 40)},
-           "skipped": {}, "errors": {"ours": [0.0]}, "variable_bytes": {}, "profile": None, "spec": {"kind": "time", "setup": "cnn"}}
+           "skipped": {}, "errors": {"ours": [0.0]}, "variable_bytes": {}, "profile": None,
+           "spec": {"kind": "time", "setup": "cnn"}}
     onednn = dict(cnn, tag="onednn_off", times={"ours": ms(40, 40), "plain": ms(41, 41)},
                   spec={"kind": "time", "setup": "cnn", "tag": "onednn_off"})
     memory_row = {"peak_rss_bytes": 900 * MB, "tf_peak_bytes": 100 * MB, "variable_bytes": 160e6,
@@ -156,6 +157,7 @@ def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
     lines = run.headline(summary)
     assert any("`mlp10m_overhead_over_floor`): **1.000**, target <= 1.10: met" in line for line in lines)
     assert any("(`accumulated_peak_over_micro_peak_plus_params`): **n/a**" in line for line in lines)
+    assert any("ours is 0.750 times the floor. The least any" in line and "is 1.058 times" in line for line in lines)
 
 
 def test_features_summary_reports_skipped_rows_as_none():
