@@ -128,10 +128,11 @@ def plan(quick):
     specs.append({"kind": "time", "setup": "cnn", "tag": "onednn_off", "rows": ["ours", "plain"],
                   "rounds": ROUNDS[quick]["onednn_off"], "error_windows": 0,
                   "env": {"TF_ENABLE_ONEDNN_OPTS": "0"}})
-    # Memory per row on the MLP only: the CNN's 0.4 MB of parameters make every row alike there.
+    # Memory per row on the MLP only: the CNN's 0.4 MB of parameters make every row alike there. A peer that
+    # is not installed gets no child (``find_spec``, not ``unavailable``: that would import TF into the parent).
     specs += [{"kind": "memory", "setup": "mlp10m", "row": row, "env": {"TF_CPU_ALLOCATOR_USE_BFC": "true"}}
               for row in SETUPS["mlp10m"]["rows"] if row not in TIMING_ONLY
-              and (row not in IMPORTS or importlib.util.find_spec(row) is not None)]  # Not installed: no child.
+              and (row not in IMPORTS or importlib.util.find_spec(row) is not None)]
     return specs
 
 
@@ -153,7 +154,8 @@ def measure(spec):
     if spec["kind"] == "memory":
         reason = unavailable(spec["row"])
         return {"skipped": reason} if reason else harness.measure_memory(_build(spec["row"], setup))
-    skipped = dict((row, unavailable(row)) for row in setup["rows"] if unavailable(row))
+    reasons = dict((row, unavailable(row)) for row in setup["rows"])
+    skipped = dict((row, reason) for row, reason in reasons.items() if reason)
     order = setup["rows"][::-1] if spec.get("repeat", 0) % 2 else setup["rows"]
     benches = [_build(row, setup) for row in order if row not in skipped]
     params = harness.trainable_floats(benches[0].session.graph)
