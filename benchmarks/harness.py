@@ -21,7 +21,7 @@ The API (all seconds are per micro-step, i.e. per ``session.run`` of a train op)
   ``num_floats`` floats, timed with the others; ``stream_bandwidth_gbs(times, num_floats)``.
 * ``time_side_by_side(benches, rounds)``: interleaved rounds, shuffled order ->
   ``{name: [seconds per micro-step, one per round]}``; ``paired_ratio``, ``median_ci95``,
-  ``ratio_with_ci(times, top, bottom)``.
+  ``median_with_ci(values)``, ``ratio_with_ci(times, top, bottom)``.
 * ``measure_memory(bench)``: peak RSS (getrusage + psutil sampling) and TF allocator
   peak (only with ``TF_CPU_ALLOCATOR_USE_BFC=true`` on TF >= 2.5; TF 1.15 has none).
 * ``update_errors(bench, windows)``: max relative error of each window's update against
@@ -460,12 +460,19 @@ def median_ci95(values):
     return ordered[j - 1], ordered[len(ordered) - j]
 
 
+def median_with_ci(values):
+    """``(median, [low, high])`` of ``values`` (see ``median_ci95``), or ``(None, None)`` if there are none."""
+    values = list(values)
+    if not values:
+        return None, None
+    return statistics.median(values), list(median_ci95(values))
+
+
 def ratio_with_ci(times, top, bottom):
     """``(paired ratio, [low, high])`` of two series of ``times``, or ``(None, None)`` if one is missing."""
     if top not in times or bottom not in times:
         return None, None
-    ratios = [a / b for a, b in zip(times[top], times[bottom])]
-    return statistics.median(ratios), list(median_ci95(ratios))
+    return median_with_ci(a / b for a, b in zip(times[top], times[bottom]))
 
 
 # ------------------------------------------------------------------ memory

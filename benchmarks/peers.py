@@ -194,19 +194,16 @@ def _floor(result):
     # micro-step adopts its gradient, no division (1/k folded into the loss), k - 1 adds at the stream's speed.
     adds = 12.0 * params * (k - 1) / k
     least = [(adds / (gbs * 1e9) + c / k) / f for gbs, c, f in zip(bandwidth, applies, floors)]
-    return {"stream_bandwidth_gbs": statistics.median(bandwidth), "floor_ms": statistics.median(floors) * 1e3,
+    keys = {"stream_bandwidth_gbs": statistics.median(bandwidth), "floor_ms": statistics.median(floors) * 1e3,
             "floor_bytes_per_micro_step": bytes_per_step,
-            "mlp10m_overhead_over_floor": statistics.median(overheads),
-            "mlp10m_overhead_over_floor_ci95": list(harness.median_ci95(overheads)),
             "mlp10m_overhead_ms": statistics.median(a - b for a, b in zip(times["ours"], times["fwd_bwd"])) * 1e3,
-            "mlp10m_own_overhead_over_floor": statistics.median(own) if own else None,
-            "mlp10m_own_overhead_over_floor_ci95": list(harness.median_ci95(own)) if own else None,
-            "mlp10m_least_possible_overhead_over_floor": statistics.median(least) if least else None,
-            "mlp10m_least_possible_overhead_over_floor_ci95": list(harness.median_ci95(least)) if least else None,
             "mlp10m_wrapped_apply_ms": statistics.median(applies) * 1e3 if applies else None,
             "mlp10m_fwd_bwd_ms": statistics.median(times["fwd_bwd"]) * 1e3,
             "stream_tf_gbs": statistics.median(harness.stream_bandwidth_gbs(times, params, ["stream"])),
             "stream_numpy_gbs": statistics.median(harness.stream_bandwidth_gbs(times, params, ["stream_numpy"]))}
+    for name, series in (("overhead", overheads), ("own_overhead", own), ("least_possible_overhead", least)):
+        keys["mlp10m_%s_over_floor" % name], keys["mlp10m_%s_over_floor_ci95" % name] = harness.median_with_ci(series)
+    return keys
 
 
 def _rows(result, memory):
@@ -300,12 +297,12 @@ def summarize(results):
         rows = _rows(result, memory)
         peers += rows
         lines += _markdown(setup, rows, result) + [""]
+        keys["%s_twin_over_ours_time" % setup], keys["%s_twin_over_ours_time_ci95" % setup] = \
+            harness.ratio_with_ci(result["times"], "ours_twin", "ours")
         if result.get("params") and "fwd_bwd" in result["times"]:
             keys.update(_floor(result))
             keys["mlp10m_weighted_over_unweighted_time"], keys["mlp10m_weighted_over_unweighted_time_ci95"] = \
                 harness.ratio_with_ci(result["times"], "ours", "ours_unweighted")
-            keys["mlp10m_twin_over_ours_time"], keys["mlp10m_twin_over_ours_time_ci95"] = \
-                harness.ratio_with_ci(result["times"], "ours_twin", "ours")
             keys["fused_over_plain_time_mlp10m"] = harness.ratio_with_ci(result["times"], "ours", "plain")[0]
         if result.get("profile"):
             keys["mlp10m_profile"] = _profile_account(result["profile"], result["k"])
@@ -314,8 +311,5 @@ def summarize(results):
         if ("cnn", tag) in timed:
             keys["fused_over_plain_time" + suffix], keys["fused_over_plain_time%s_ci95" % suffix] = \
                 harness.ratio_with_ci(timed[("cnn", tag)]["times"], "ours", "plain")
-    if "ours_twin" in timed.get(("cnn", None), {}).get("times", {}):
-        keys["cnn_twin_over_ours_time"], keys["cnn_twin_over_ours_time_ci95"] = \
-            harness.ratio_with_ci(timed[("cnn", None)]["times"], "ours_twin", "ours")
     keys["peers"] = peers
     return keys, lines
