@@ -36,6 +36,8 @@ def test_paired_ratio_and_median_interval():
     ratio, ci = harness.ratio_with_ci({"a": [2.0, 4.0, 9.0], "b": [1.0, 2.0, 3.0]}, "a", "b")
     assert ratio == 2.0 and ci == [2.0, 3.0]
     assert harness.ratio_with_ci({"a": [1.0]}, "a", "missing") == (None, None)
+    assert harness.median_with_ci(iter([5.0, 1.0, 2.0])) == (2.0, [1.0, 5.0])
+    assert harness.median_with_ci([]) == (None, None)
     with pytest.raises(ValueError, match="must be non-empty and as long, got 2 and 1"):
         harness.paired_ratio([1.0, 2.0], [1.0])
 
@@ -125,6 +127,12 @@ def test_peers_summary_has_the_floor_and_the_peers_rows():
     text = "\n".join(lines)
     assert "| tensorpack `AccumGradOptimizer` | 5.20 | 0.981 (0.981-1.000) | 7 | n/a | n/a | n/a |" in text
     assert "skipped: horovod is not installed" in text
+    results = _peers_results()
+    del results[0]["times"]["wrapped_apply"]  # Not timed: no apply, so no figure without it.
+    unapplied = peers.summarize(results)[0]
+    assert unapplied["mlp10m_own_overhead_over_floor"] is None
+    assert unapplied["mlp10m_least_possible_overhead_over_floor"] is None
+    assert unapplied["mlp10m_overhead_over_floor"] == pytest.approx(1.0)
 
 
 def test_timing_children_of_one_setup_pool_their_rounds():
