@@ -53,7 +53,7 @@ window pools the global ones), so the copies stay equal. One tower per
 worker: several towers inside that scope raise ``ValueError``.
 
 **Windows (issue 19).** A training-mode call also puts a window-statistics
-object (``gradaccum._window``'s interface) into the graph collection
+object (``gradaccum._update_ops``'s interface) into the graph collection
 ``"gradaccum_window_statistics"``. Under a ``GradientAccumulator`` with
 k > 1, instead of the per-run update the accumulator folds each micro-batch's
 count, mean and sum of squared deviations into the window (Chan et al.'s
@@ -85,7 +85,7 @@ import numbers
 from gradaccum import _compat
 from gradaccum import _tower_context
 from gradaccum import _validate
-from gradaccum import _window
+from gradaccum import _update_ops
 from gradaccum._compat import tf
 
 DEFAULT_NAME = "batch_normalization"
@@ -451,7 +451,7 @@ def _add_statistics(layer, mean, moving_variance_value, count, m2, inputs=None):
     stats = WindowStatistics(layer, mean, moving_variance_value, count, m2, inputs)
     graph = tf.compat.v1.get_default_graph()
     graph.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, stats.update_op)
-    graph.add_to_collection(_window.WINDOW_STATISTICS, stats)
+    graph.add_to_collection(_update_ops.WINDOW_STATISTICS, stats)
     return stats
 
 
@@ -475,7 +475,7 @@ def _when(condition, decay):
 class WindowStatistics(object):
     """One training-mode call's batch statistics, per run and per accumulation window.
 
-    The object of interface A (``gradaccum._window``): ``update_op`` is the TF
+    The object of interface A (``gradaccum._update_ops``): ``update_op`` is the TF
     layer's per-run update of the moving averages; ``accumulate()``,
     ``finalize()`` and ``reset()`` are what a ``GradientAccumulator`` runs
     instead when k > 1. Built by :func:`batch_normalization`; not public.
@@ -492,7 +492,7 @@ class WindowStatistics(object):
         reduction, only under an accumulator).
 
     Example:
-      >>> plain, stats = gradaccum._window.split_update_ops(update_ops)
+      >>> plain, stats = gradaccum._update_ops.split_update_ops(update_ops)
       >>> stats[0].accumulate()
     """
 

@@ -391,7 +391,7 @@ def _apply(optimizer, grads_and_vars, global_step, batch_size, update_ops, small
     """Applies the averaged gradients after ``update_ops`` (on every micro-batch)."""
     if isinstance(optimizer, GradientAccumulator):
         # A micro-batch weighs its example count, so uneven micro-batches stay exact. The
-        # accumulator runs the update ops: window statistics once per window (gradaccum._window).
+        # accumulator runs the update ops: window statistics once per window (gradaccum._update_ops).
         return optimizer.apply_gradients(grads_and_vars, global_step=global_step, weight=batch_size,
                                          update_ops=update_ops, small_batches=small_batches)
     with tf.control_dependencies(update_ops):

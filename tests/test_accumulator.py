@@ -4,8 +4,8 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from gradaccum import _window
-from gradaccum import accumulator as accumulator_module
+from gradaccum import _update_ops
+from gradaccum import _window as window_module
 from scalar_problem import scalar_problem
 
 v1 = tf.compat.v1
@@ -539,7 +539,7 @@ class FakeWindowStatistics(object):
         self.seen = v1.get_variable("fake_seen", initializer=np.zeros(2), trainable=False)
         self._w = w
         self.update_op = self.counts["update"].assign_add(1.0).op
-        v1.add_to_collection(_window.WINDOW_STATISTICS, self)
+        v1.add_to_collection(_update_ops.WINDOW_STATISTICS, self)
         v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, self.update_op)
 
     def accumulate(self):
@@ -714,7 +714,7 @@ def fake_statistics(monkeypatch):
         made.append(FakeStatistics(pairs, dtype))
         return made[-1]
 
-    monkeypatch.setattr(accumulator_module._statistics, "create", create)
+    monkeypatch.setattr(window_module._statistics, "create", create)
     return made
 
 

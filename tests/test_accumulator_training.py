@@ -272,15 +272,24 @@ def test_skip_nonfinite_must_be_a_bool():
 def test_training_adds_no_ops_after_the_first_step():
     with tf.Graph().as_default() as graph:
         c, _, w, step, acc, train_op = scalar_problem(3, v1.train.AdamOptimizer(0.1))
+        apply_op = acc.apply_op  # built on first use, so before the graph is finalized
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             graph.finalize()  # any op added from here on raises
             for i in range(60):
                 sess.run(train_op, {c: [1.0, float(i)]})
             sess.run(acc.accumulate_op, {c: [1.0, 1.0]})
-            sess.run([acc.apply_op])
+            sess.run([apply_op])
             sess.run(acc.zero_op)
             assert sess.run(step) == 21
+
+
+def test_apply_op_read_first_after_the_graph_is_finalized_says_what_to_do():
+    with tf.Graph().as_default() as graph:
+        acc = scalar_problem(3, v1.train.AdamOptimizer(0.1))[4]
+        graph.finalize()
+        with pytest.raises(RuntimeError, match="read `apply_op` once before the session starts"):
+            acc.apply_op
 
 
 def test_two_accumulators_in_one_graph_do_not_share_state():
