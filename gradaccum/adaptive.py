@@ -178,13 +178,14 @@ class AdaptiveBatch(object):
                                 name="update")
 
     def _variables(self):
-        graph = tf.compat.v1.get_default_graph()
-        if graph not in self._state:
-            start_rate = self._start_rate()
-            with tf.compat.v1.init_scope(), tf.compat.v1.name_scope(self._name):
-                k = _variable("num_micro_batches", tf.constant(self._min, tf.int64))
-                rate = _variable("learning_rate_multiplier", tf.constant(start_rate, tf.float32))
-            self._state[graph] = (k, rate)
+        # The outermost graph, not a cond branch's function graph: one state per model.
+        with tf.compat.v1.init_scope():
+            graph = tf.compat.v1.get_default_graph()
+            if graph not in self._state:
+                with tf.compat.v1.name_scope(self._name):
+                    k = _variable("num_micro_batches", tf.constant(self._min, tf.int64))
+                    rate = _variable("learning_rate_multiplier", tf.constant(self._start_rate(), tf.float32))
+                self._state[graph] = (k, rate)
         return self._state[graph]
 
     def _start_rate(self):

@@ -11,7 +11,7 @@ past the memory limit can kill the process instead of raising.
 A try changes state (the accumulator's caches and counters, batch-norm
 moving averages): given a ``session``, every variable in ``var_list`` is
 read once before the search and written back after every try. This module
-creates no variables and no ops (``Variable.load`` feeds the initializers).
+creates no variables and no ops (it feeds the variables' initializers).
 """
 import collections
 
@@ -114,7 +114,8 @@ def _restoring_attempt(run_step, session, var_list):
             return False
         finally:
             for var, value in zip(variables, saved):
-                var.load(value, session)
+                # What Variable.load does, without its deprecation warning: feed the initializer.
+                session.run(var.initializer, {var.initializer.inputs[1]: value})
 
     return attempt
 
