@@ -24,7 +24,10 @@ Either way a peer that dies or stops answering ends the others within
 
 Several machines: start the same command on each with its own ``TF_CONFIG``
 (see the README). ``--accumulate k`` adds a ``GradientAccumulator``: each step
-is k micro-batches of 50/k points. ``--checkpoint-dir`` makes the chief save
+is k micro-batches of 50/k points; ``--accumulate-schedule 3,1,5`` gives step
+i its own k (the last one after), and ``--adaptive-batch`` lets
+``gradaccum.AdaptiveBatch`` choose k from the gradient noise scale (every
+worker decides alike). ``--checkpoint-dir`` makes the chief save
 checkpoints and resume from the newest one. ``GRADACCUM_TF_MODE=tf2`` runs
 with resource variables (``disable_eager_execution`` only) instead of
 ``disable_v2_behavior``.
@@ -43,7 +46,7 @@ if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf2":
 else:
     tf.compat.v1.disable_v2_behavior()
 
-from gradaccum import GradientAccumulator, cluster, tower  # noqa: E402
+from gradaccum import AdaptiveBatch, GradientAccumulator, cluster, step_schedule, tower  # noqa: E402
 
 NUM_POINTS = 50
 LAYERS = (("hidden", 1, 5), ("output", 5, 1))
@@ -109,17 +112,19 @@ def build(args, config):
     var_device = "/cpu:0" if local else cluster.variables_device(config)
     with tf.device(var_device):
         global_step = tf.compat.v1.train.get_or_create_global_step()
-    optimizer = tf.compat.v1.train.GradientDescentOptimizer(args.learning_rate)
+    k, rate = window_sizes(args)
+    optimizer = tf.compat.v1.train.GradientDescentOptimizer(args.learning_rate * rate)
     if collective(args, config):
         optimizer = cluster.CollectiveAllReduce(optimizer, config)
-    if args.accumulate > 1:
-        optimizer = GradientAccumulator(optimizer, args.accumulate)
+    accumulating = not isinstance(k, int) or k > 1
+    if accumulating:
+        optimizer = GradientAccumulator(optimizer, k)
     seed = args.seed + (rank_of(config)[0] if args.worker_seeds and collective(args, config) else 0)
     model_fn = make_model_fn(initial_weights(seed))
     broadcast = None
     if collective(args, config):  # Each worker's own graph; the same graph everywhere.
         loss = model_fn(xs, ys)
-        if args.accumulate > 1:
+        if accumulating:
             train_op = optimizer.minimize(loss, global_step=global_step, weight=tf.shape(xs)[0])
         else:
             train_op = optimizer.apply_gradients(optimizer.compute_gradients(loss), global_step,
@@ -127,7 +132,7 @@ def build(args, config):
         broadcast = cluster.broadcast_variables(config)
     elif config is None:  # The seed's plain graph: the reference the cluster runs must match.
         loss = model_fn(xs, ys)
-        weight = {"weight": tf.shape(xs)[0]} if args.accumulate > 1 else {}
+        weight = {"weight": tf.shape(xs)[0]} if accumulating else {}
         train_op = optimizer.minimize(loss, global_step=global_step, **weight)
     else:
         result = tower.minimize(optimizer, model_fn, [xs, ys], global_step=global_step,
@@ -136,10 +141,23 @@ def build(args, config):
     with tf.device(chief_device):  # Checkpoints are written on the chief's disk.
         saver = tf.compat.v1.train.Saver(max_to_keep=3) if args.checkpoint_dir else None
     stop = cluster.StopSignal(config) if config is not None and not collective(args, config) else None
+    size = optimizer.window_size if isinstance(optimizer, GradientAccumulator) else tf.constant(1, tf.int64)
     return dict(xs=xs, ys=ys, global_step=global_step, train_op=train_op, loss=loss, saver=saver, stop=stop,
+                window_size=size,
                 broadcast=broadcast, chief=config is None or config.is_chief,
                 init=tf.compat.v1.global_variables_initializer(),
                 variables=dict((v.op.name, v) for v in tf.compat.v1.trainable_variables()))
+
+
+def window_sizes(args):
+    """``(num_micro_batches, learning-rate factor)`` for the accumulator, from the flags."""
+    if args.adaptive_batch:
+        policy = AdaptiveBatch(micro_batch_size=40, max_micro_batches=10, rule="sgd")  # k grows from 2 to 8 here
+        return policy, tf.cast(policy.learning_rate_multiplier, tf.float32)
+    if args.accumulate_schedule:
+        sizes = args.accumulate_schedule
+        return step_schedule(list(range(1, len(sizes))), sizes), 1.0
+    return args.accumulate, 1.0
 
 
 def restore_or_init(sess, graph, args):
@@ -188,9 +206,10 @@ def train(sess, graph, args):
     x, y = parabola()
     restore_or_init(sess, graph, args)
     step = int(sess.run(graph["global_step"]))
-    steps, losses, trace = [], [], [] if args.trace_collectives else None
+    steps, losses, sizes, trace = [], [], [], [] if args.trace_collectives else None
     while step < args.steps:
-        loss = train_step(sess, graph, x, y, args.accumulate, graph["mine"], trace)
+        sizes.append(int(sess.run(graph["window_size"])))
+        loss = train_step(sess, graph, x, y, sizes[-1], graph["mine"], trace)
         steps.append(step)
         losses.append(loss)
         if step % args.log_every == 0 and graph["chief"]:
@@ -202,7 +221,7 @@ def train(sess, graph, args):
     print("global_step %d loss %.6f (final)" % (step, final_loss))
     weights = sess.run(graph["variables"])
     return dict(weights, global_steps=np.array(steps, np.int64), losses=np.array(losses, np.float64),
-                final_step=np.int64(step), devices=np.array(devices),
+                final_step=np.int64(step), devices=np.array(devices), window_sizes=np.array(sizes, np.int64),
                 collective_runs=np.array(trace if trace is not None else [], np.int64))
 
 
@@ -247,6 +266,24 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, "%s: error: %s\n" % (self.prog, message))
 
 
+def _sizes(text):
+    """argparse type: comma-separated ints >= 1."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("must be ints >= 1 separated by commas, got %r" % text)
+    return sizes
+
+
+def _largest_k(args):
+    """The most micro-batches a step can have under these flags."""
+    if args.adaptive_batch:
+        return 10
+    return max(args.accumulate_schedule) if args.accumulate_schedule else args.accumulate
+
+
 def _shard_sizes(text):
     """argparse type: comma-separated ints >= 1 summing to the number of points."""
     try:
@@ -286,6 +323,10 @@ def parse_args(argv):
     parser = _OneLineParser(prog="parabola_sync.py", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=_positive_int, default=2000, help="global steps to reach")
     parser.add_argument("--accumulate", type=_positive_int, default=1, help="micro-batches per update")
+    parser.add_argument("--accumulate-schedule", type=_sizes, default=None,
+                        help="micro-batches of step 0, 1, ... (the last one after), e.g. 3,1,5,2")
+    parser.add_argument("--adaptive-batch", action="store_true",
+                        help="micro-batches chosen from the gradient noise scale (gradaccum.AdaptiveBatch)")
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     parser.add_argument("--log-every", type=_positive_int, default=50)
@@ -316,9 +357,9 @@ def check_collective(args, config):
     if args.shards is not None and len(args.shards) != size:
         raise ValueError("`--shards` must give one size per worker (%d), got %d" % (size, len(args.shards)))
     smallest = min(args.shards) if args.shards is not None else NUM_POINTS // size
-    if args.accumulate > smallest:
+    if _largest_k(args) > smallest:
         raise ValueError("`--accumulate` must be <= %d (each worker's smallest share), got %d"
-                         % (smallest, args.accumulate))
+                         % (smallest, _largest_k(args)))
 
 
 def main(argv=None):
@@ -326,9 +367,9 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         config = cluster.load_tf_config()
-        if args.accumulate > NUM_POINTS:
+        if _largest_k(args) > NUM_POINTS:
             raise ValueError("`--accumulate` must be <= %d (one point per micro-batch), got %d"
-                             % (NUM_POINTS, args.accumulate))
+                             % (NUM_POINTS, _largest_k(args)))
         if collective(args, config):
             check_collective(args, config)
             server = cluster.start_server(config, cluster.collective_session_config(config))

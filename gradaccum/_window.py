@@ -396,16 +396,30 @@ def _finish(config, sums, total, divide, global_step, outer_scope, done, skip, s
     those of a skipped window. With a reducer, ``sums`` and ``total`` are
     reduced first and every worker decides on the same values.
     """
+    small = None
     if config.reducer is not None:
-        sums, total = config.reducer.reduce_window(sums, total)
+        sums, total, small = _reduced(config.reducer, sums, total, state.stats)
     usable = _usable(config, sums, total)
 
     def apply():
-        return _apply(config, sums, total, divide, global_step, outer_scope, done, skip, state)
+        return _apply(config, sums, total, divide, global_step, outer_scope, done, skip, state, small)
 
     if usable is None:
         return apply()
     return tf.cond(usable, apply, lambda: _skip(skip(), state), name="apply_or_skip")
+
+
+def _reduced(reducer, sums, total, stats):
+    """Reduces the window across workers, with the statistics' small-batch sums in the same exchange.
+
+    Every worker then estimates the noise scale from every small batch, so
+    policies driven by it (``AdaptiveBatch``) decide alike everywhere.
+    """
+    extra = [] if stats is None else stats.small_sums()
+    anchor = sums[0][1]
+    reduced, total = reducer.reduce_window(list(sums) + [(value, anchor) for value in extra], total)
+    cut = len(reduced) - len(extra)
+    return reduced[:cut], total, [value for value, _ in reduced[cut:]] if extra else None
 
 
 def _usable(config, sums, total):
@@ -421,7 +435,7 @@ def _usable(config, sums, total):
     return checks[0] if len(checks) == 1 else tf.logical_and(checks[0], checks[1], name="usable")
 
 
-def _apply(config, sums, total, divide, global_step, outer_scope, done, skip, state):
+def _apply(config, sums, total, divide, global_step, outer_scope, done, skip, state, small=None):
     averaged = _divided(sums, total if divide else None)
     stats = state.stats
     # The wrapped loss-scale optimizer skips a non-finite window on its own;
@@ -430,7 +444,7 @@ def _apply(config, sums, total, divide, global_step, outer_scope, done, skip, st
     observed = []
     if stats is not None:
         def observe():
-            return stats.observe_big([g for g, _ in averaged], total)
+            return stats.observe_big([g for g, _ in averaged], total, small)
         observed = [observe() if finite is None
                     else tf.cond(finite, observe, tf.no_op, name="observe_if_finite")]
     if config.clip_norm is not None:

@@ -243,7 +243,19 @@ class GradientStatistics(object):
                             v["small_weight_sum"].assign_add(tf.add_n(weight_sum), read_value=False),
                             v["small_batches"].assign_add(tf.add_n(count), read_value=False), name="observe_small")
 
-    def observe_big(self, averaged_grads, window_weight):
+    def small_sums(self):
+        """The window's small-batch sums, to reduce across workers with the gradients.
+
+        Returns:
+          ``[sum_i b_i |g_i|^2, sum_i b_i, n]``: scalar tensors in the
+          statistics' dtype, read now.
+
+        Example:
+          >>> sums, total = reducer.reduce_window(pairs + [(s, var) for s in stats.small_sums()], total)
+        """
+        return [self._vars[name].read_value() for name in _WINDOW]
+
+    def observe_big(self, averaged_grads, window_weight, small_sums=None):
         """Counts an applied window: its estimates, the moving averages, then resets the window.
 
         Args:
@@ -251,6 +263,9 @@ class GradientStatistics(object):
           window_weight: the weight the window's sums were divided by (summed
             over workers when reduced): a scalar tensor, or ``None`` (the
             small batches' weights, one worker).
+          small_sums: ``None`` (this worker's), or :meth:`small_sums` summed
+            over the workers, so that every worker estimates from every
+            small batch and all of them get the same numbers.
 
         Returns:
           An op; it reads the small batches' sums, so it must run after the
@@ -262,9 +277,7 @@ class GradientStatistics(object):
         v = self._vars
         with tf.compat.v1.name_scope("statistics"):
             big = _sq_norm(averaged_grads, self._dtype)
-            small_total = v["small_sq_norm_sum"].read_value()
-            weight = v["small_weight_sum"].read_value()
-            count = v["small_batches"].read_value()
+            small_total, weight, count = self.small_sums() if small_sums is None else small_sums
             if window_weight is None:
                 window_weight = weight
             window_weight = tf.cast(window_weight, self._dtype)

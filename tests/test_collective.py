@@ -288,6 +288,32 @@ def test_workers_on_their_own_uneven_shares_match_one_process_on_the_union(worke
 
 
 @pytest.mark.distributed
+def test_workers_on_a_schedule_of_window_sizes_match_one_process_on_the_union(parabola_reference, tmp_path):
+    """k = 3, 1, 5, 2, then 2: every window is still one full-batch step on the 50 points."""
+    out = str(tmp_path / "run.npz")
+    _launch(2, _collective_args(out, "30,20", 1, extra=["--accumulate-schedule", "3,1,5,2"]))
+    run = dict(np.load(out))
+    _assert_matches(run, parabola_reference(_STEPS))
+    other = dict(np.load(str(tmp_path / "run-worker1.npz")))
+    np.testing.assert_array_equal(run["window_sizes"], [3, 1, 5] + [2] * (_STEPS - 3))
+    np.testing.assert_array_equal(other["window_sizes"], run["window_sizes"])
+    for name in _WEIGHTS:
+        np.testing.assert_array_equal(other[name], run[name], err_msg=name)
+
+
+@pytest.mark.distributed
+def test_workers_under_the_adaptive_policy_agree_on_every_window_size(tmp_path):
+    """Each worker decides from the statistics reduced with the window: the same k everywhere, or a hang."""
+    out = str(tmp_path / "run.npz")
+    _launch(2, _collective_args(out, "30,20", 1, steps=20, extra=["--adaptive-batch"]))
+    run, other = dict(np.load(out)), dict(np.load(str(tmp_path / "run-worker1.npz")))
+    assert len(set(run["window_sizes"].tolist())) > 2, run["window_sizes"]
+    np.testing.assert_array_equal(other["window_sizes"], run["window_sizes"])
+    for name in _WEIGHTS + ["losses"]:
+        np.testing.assert_array_equal(other[name], run[name], err_msg=name)
+
+
+@pytest.mark.distributed
 def test_a_stopped_worker_ends_the_job_within_the_bound_and_a_restart_resumes(parabola_reference, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     args = ["--engine", "collective", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
