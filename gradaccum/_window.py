@@ -444,7 +444,7 @@ def _apply(config, sums, total, divide, global_step, outer_scope, done, skip, st
     observed = []
     if stats is not None:
         def observe():
-            return stats.observe_big([g for g, _ in averaged], total, small)
+            return stats.observe_big([g for g, _ in averaged], total, small_sums=small)
         observed = [observe() if finite is None
                     else tf.cond(finite, observe, tf.no_op, name="observe_if_finite")]
     if config.clip_norm is not None:

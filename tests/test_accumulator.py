@@ -698,7 +698,7 @@ class FakeStatistics(object):
         self.small_batches.append(small_batches)
         return self.counts["small"].assign_add(1.0).op
 
-    def observe_big(self, averaged_grads, window_weight):
+    def observe_big(self, averaged_grads, window_weight, small_sums=None):
         return tf.group(self.counts["big"].assign_add(tf.cast(window_weight, tf.float64)),
                         self.seen.assign(self._w.read_value()))
 

@@ -28,16 +28,23 @@ OPTIMIZERS = {
 }
 
 
-def _model():
-    x = v1.placeholder(tf.float64, [None, 3], name="x")
-    ids = v1.placeholder(tf.int32, [None], name="ids")
-    y = v1.placeholder(tf.float64, [None], name="y")
-    w = v1.get_variable("w", initializer=np.array([[0.3], [-0.2], [0.1]]))
-    b = v1.get_variable("b", initializer=np.array([0.05]))
-    table = v1.get_variable("table", initializer=np.linspace(-1, 1, 12).reshape(6, 2))
+def _loss(x, ids, y):
+    w = v1.get_variable("w", dtype=tf.float64, initializer=np.array([[0.3], [-0.2], [0.1]]))
+    b = v1.get_variable("b", dtype=tf.float64, initializer=np.array([0.05]))
+    table = v1.get_variable("table", dtype=tf.float64, initializer=np.linspace(-1, 1, 12).reshape(6, 2))
     pred = tf.reshape(tf.matmul(x, w), [-1]) + b + tf.reduce_sum(tf.gather(table, ids), 1)
-    loss = tf.reduce_mean(tf.square(pred - y))
-    return (x, ids, y), loss, [w, b, table]
+    return tf.reduce_mean(tf.square(pred - y))
+
+
+def _placeholders():
+    return (v1.placeholder(tf.float64, [None, 3], name="x"), v1.placeholder(tf.int32, [None], name="ids"),
+            v1.placeholder(tf.float64, [None], name="y"))
+
+
+def _model():
+    feeds = _placeholders()
+    loss = _loss(*feeds)
+    return feeds, loss, v1.trainable_variables()
 
 
 def _feed(feeds, start, size):
@@ -67,16 +74,21 @@ def _reference(make_opt, windows, clip_norm=None):
         return out
 
 
-def _accumulated(make_opt, windows, make_k, set_k=None, clip_norm=None):
+def _accumulated(make_opt, windows, make_k, set_k=None, clip_norm=None, towers=0):
     """Values after each window and the sizes the loop read from ``window_size``."""
     with tf.Graph().as_default():
-        feeds, loss, variables = _model()
         step = v1.train.get_or_create_global_step()
         opt = gradaccum.GradientAccumulator(make_opt(), make_k(), clip_norm=clip_norm)
-        train_op = opt.minimize(loss, global_step=step, var_list=variables,
-                                weight=tf.shape(feeds[0])[0])
+        if towers:
+            feeds = _placeholders()
+            devices = ["/cpu:%d" % i for i in range(towers)]
+            train_op = gradaccum.tower.minimize(opt, _loss, list(feeds), devices=devices, global_step=step).train_op
+            variables = v1.trainable_variables()
+        else:
+            feeds, loss, variables = _model()
+            train_op = opt.minimize(loss, global_step=step, var_list=variables, weight=tf.shape(feeds[0])[0])
         out, sizes_read, start = [], [], 0
-        with v1.Session() as sess:
+        with v1.Session(config=v1.ConfigProto(device_count={"CPU": max(towers, 1)})) as sess:
             sess.run(v1.global_variables_initializer())
             for number, sizes in enumerate(windows):
                 if set_k is not None:
@@ -134,6 +146,13 @@ def test_each_window_equals_one_full_batch_step_on_its_union(optimizer, windows,
     actual, sizes = _accumulated(OPTIMIZERS[optimizer], windows, make_k, set_k)
     assert sizes == [len(w) for w in windows]
     _assert_windows_equal(actual, _reference(OPTIMIZERS[optimizer], windows))
+
+
+def test_towers_with_a_changing_k_equal_one_full_batch_step_per_window():
+    make_k, set_k = _variable_k()
+    actual, sizes = _accumulated(OPTIMIZERS["momentum"], WINDOWS, make_k, set_k, towers=2)
+    assert sizes == [len(w) for w in WINDOWS]
+    _assert_windows_equal(actual, _reference(OPTIMIZERS["momentum"], WINDOWS))
 
 
 def test_clipping_applies_to_each_window_s_average():
