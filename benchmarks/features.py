@@ -8,7 +8,9 @@ is skipped with the reason):
 * ``window_bn``: the CNN under the accumulator with ``gradaccum.batch_normalization``
   (window statistics, issue 19) against ``tf.compat.v1.layers.batch_normalization``;
 * ``towers``: ``gradaccum.tower`` on 2 and 4 virtual CPU devices with synchronized batch
-  norm (issue 14) and with per-tower batch norm, and one device; a batch of 200 per run.
+  norm (issue 14) and with per-tower batch norm, and one device; a batch of 200 per run;
+* ``tensor_k_cnn``, ``tensor_k_mlp10m``: ``num_micro_batches`` as a constant tensor (the
+  elastic window: k read at each window's start) against the same int.
 
 A new feature row: one ``ROWS`` entry (trainer, model arguments, requirement) and its name
 in a group.
@@ -22,12 +24,16 @@ GROUPS = {
     "statistics_mlp10m": {"setup": "mlp10m", "rows": ["ours", "ours_statistics"]},
     "window_bn": {"setup": "cnn", "rows": ["ours", "ours_window_bn"]},
     "towers": {"setup": "towers", "rows": ["one_device", "towers2", "towers2_sync_bn", "towers4", "towers4_sync_bn"]},
+    "tensor_k_cnn": {"setup": "cnn", "rows": ["ours", "ours_tensor_k"]},
+    "tensor_k_mlp10m": {"setup": "mlp10m", "rows": ["ours", "ours_tensor_k"]},
 }
 SETUPS = {"cnn": {"model": "cnn", "model_args": {"width": 16}, "micro": 100, "k": 5, "cpus": 1},
           "mlp10m": {"model": "mlp", "model_args": {}, "micro": 8, "k": 8, "cpus": 1},
           "towers": {"model": "cnn", "model_args": {"width": 16}, "micro": 200, "k": 1, "cpus": 4}}
-ROUNDS = {False: {"statistics_cnn": 31, "statistics_mlp10m": 41, "window_bn": 31, "towers": 21},
-          True: {"statistics_cnn": 3, "statistics_mlp10m": 3, "window_bn": 3, "towers": 3}}
+ROUNDS = {False: {"statistics_cnn": 31, "statistics_mlp10m": 41, "window_bn": 31, "towers": 21,
+                 "tensor_k_cnn": 31, "tensor_k_mlp10m": 41},
+          True: {"statistics_cnn": 3, "statistics_mlp10m": 3, "window_bn": 3, "towers": 3,
+                 "tensor_k_cnn": 3, "tensor_k_mlp10m": 3}}
 # JSON key -> (group, row, reference row).
 KEYS = {
     "statistics_on_over_off_time_cnn": ("statistics_cnn", "ours_statistics", "ours"),
@@ -37,6 +43,8 @@ KEYS = {
     "towers4_sync_bn_over_per_tower_bn_time": ("towers", "towers4_sync_bn", "towers4"),
     "towers2_over_one_device_time": ("towers", "towers2", "one_device"),
     "towers4_over_one_device_time": ("towers", "towers4", "one_device"),
+    "tensor_k_over_int_k_time_cnn": ("tensor_k_cnn", "ours_tensor_k", "ours"),
+    "tensor_k_over_int_k_time_mlp10m": ("tensor_k_mlp10m", "ours_tensor_k", "ours"),
 }
 
 
@@ -51,6 +59,13 @@ def towers(count):
     return trainer
 
 
+def ours_tensor_k(model_fn, images, labels, k, make_optimizer, global_step):
+    """``harness.ours`` with ``num_micro_batches`` a constant int64 tensor instead of the int."""
+    import tensorflow as tf
+
+    return harness.ours(model_fn, images, labels, tf.constant(k, tf.int64), make_optimizer, global_step)
+
+
 # row -> (trainer, uses gradaccum.batch_normalization, needs the `statistics` argument)
 ROWS = {
     "ours": (harness.ours, False, False),
@@ -59,6 +74,7 @@ ROWS = {
     "one_device": (harness.plain, False, False),
     "towers2": (towers(2), False, False), "towers2_sync_bn": (towers(2), True, False),
     "towers4": (towers(4), False, False), "towers4_sync_bn": (towers(4), True, False),
+    "ours_tensor_k": (ours_tensor_k, False, False),
 }
 
 
