@@ -111,7 +111,7 @@ class GradientAccumulator(WrappingOptimizer):
                 "`optimizer` is already a GradientAccumulator (num_micro_batches=%r); nest nothing, "
                 "use one GradientAccumulator with the product of the counts" % (optimizer.num_micro_batches,)
             )
-        self._k, self._size_fn = _window_sizes(num_micro_batches)
+        self._k, self._size_fn, self._schedule = _window_sizes(num_micro_batches)
         self._given = num_micro_batches
         self._policy = num_micro_batches if isinstance(num_micro_batches, AdaptiveBatch) else None
         self._clip_norm = _validate.check_positive_number(clip_norm, "clip_norm")
@@ -295,8 +295,7 @@ class GradientAccumulator(WrappingOptimizer):
             )
         grads_and_vars, pairs = _checked_pairs(grads_and_vars)
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
-        if self._size_fn is not None and self._policy is None and global_step is None \
-                and not isinstance(self._given, (tf.Tensor, tf.Variable)):
+        if self._schedule and global_step is None:
             raise ValueError("a callable `num_micro_batches` is a schedule of `global_step`: pass "
                              "`global_step` to minimize or apply_gradients, got None")
         update_ops = [] if update_ops is None else list(update_ops)
@@ -417,18 +416,18 @@ _MISSING = {
 
 
 def _window_sizes(num_micro_batches):
-    """``(k, size_fn)``: the static int k and ``None``, or ``None`` and ``size_fn(global_step)``."""
+    """``(k, size_fn, is_schedule)``: the static int k, or ``None`` and ``size_fn(global_step)``."""
     if isinstance(num_micro_batches, AdaptiveBatch):
-        return None, num_micro_batches.num_micro_batches
+        return None, num_micro_batches.num_micro_batches, False
     if isinstance(num_micro_batches, (tf.Tensor, tf.Variable)):
         tensor = num_micro_batches
         if not tensor.dtype.base_dtype.is_integer or tensor.shape.ndims not in (None, 0):
             raise ValueError("`num_micro_batches` must be an int >= 1 or a scalar integer tensor, got %s"
                              % _validate.describe(tensor))
-        return None, lambda global_step: tensor
+        return None, lambda global_step: tensor, False
     if callable(num_micro_batches):
-        return None, num_micro_batches
-    return _validate.check_positive_int(num_micro_batches, "num_micro_batches"), None
+        return None, num_micro_batches, True
+    return _validate.check_positive_int(num_micro_batches, "num_micro_batches"), None, False
 
 
 def _check_graph_mode():
