@@ -20,7 +20,9 @@ def _version():
     return scope["__version__"]
 
 
-_EXAMPLES = ["scikit-learn>=0.24", "matplotlib>=3.3"]
+_EXAMPLES = ["scikit-learn>=0.24", "matplotlib>=3.3", "progressbar2>=3.55"]
+# Sphinx 9 needs Python 3.11; below that the docs test skips, with its reason.
+_DOCS = [d + '; python_version >= "3.11"' for d in ["sphinx>=8", "myst-parser>=4", "furo>=2024.1"]]
 
 setup(
     name="gradaccum",
@@ -36,8 +38,9 @@ setup(
     extras_require={
         "tf": ["tensorflow>=2.15", "tf-keras>=2.15"],
         # tf-slim: tests/test_integrations.py (TF 2.x; TF 1.15 has tf.contrib.slim, and it installs there too).
-        "test": ["pytest>=6", "pytest-timeout>=1.4", "tf-slim>=1.1", "psutil>=5.6"] + _EXAMPLES,
+        "test": ["pytest>=6", "pytest-timeout>=1.4", "tf-slim>=1.1", "psutil>=5.6"] + _EXAMPLES + _DOCS,
         "examples": _EXAMPLES,
+        "docs": _DOCS,
         "bench": ["tensorpack>=0.11", "psutil>=5.6"],
     },
     classifiers=[
