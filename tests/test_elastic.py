@@ -5,7 +5,7 @@ batch ramp; the loop feeds ``sess.run(opt.window_size)`` micro-batches per
 window. The reference is the plain optimizer, one step per window on the
 window's examples concatenated, in its own graph from the same start. Dense
 and sparse gradients, equal and uneven micro-batches (``weight`` = their
-sizes), clipping and skipped windows; float64, both TF behaviours.
+sizes), clipping, loss scaling and skipped windows; float64, both TF behaviours.
 """
 import numpy as np
 import pytest
@@ -29,20 +29,22 @@ OPTIMIZERS = {
 
 
 def _loss(x, ids, y):
-    w = v1.get_variable("w", dtype=tf.float64, initializer=np.array([[0.3], [-0.2], [0.1]]))
-    b = v1.get_variable("b", dtype=tf.float64, initializer=np.array([0.05]))
-    table = v1.get_variable("table", dtype=tf.float64, initializer=np.linspace(-1, 1, 12).reshape(6, 2))
+    dtype = x.dtype  # Given explicitly: a tower's reuse checks it.
+    w = v1.get_variable("w", dtype=dtype, initializer=np.array([[0.3], [-0.2], [0.1]], dtype.as_numpy_dtype))
+    b = v1.get_variable("b", dtype=dtype, initializer=np.array([0.05], dtype.as_numpy_dtype))
+    table = v1.get_variable("table", dtype=dtype,
+                            initializer=np.linspace(-1, 1, 12).reshape(6, 2).astype(dtype.as_numpy_dtype))
     pred = tf.reshape(tf.matmul(x, w), [-1]) + b + tf.reduce_sum(tf.gather(table, ids), 1)
     return tf.reduce_mean(tf.square(pred - y))
 
 
-def _placeholders():
-    return (v1.placeholder(tf.float64, [None, 3], name="x"), v1.placeholder(tf.int32, [None], name="ids"),
-            v1.placeholder(tf.float64, [None], name="y"))
+def _placeholders(dtype=tf.float64):
+    return (v1.placeholder(dtype, [None, 3], name="x"), v1.placeholder(tf.int32, [None], name="ids"),
+            v1.placeholder(dtype, [None], name="y"))
 
 
-def _model():
-    feeds = _placeholders()
+def _model(dtype=tf.float64):
+    feeds = _placeholders(dtype)
     loss = _loss(*feeds)
     return feeds, loss, v1.trainable_variables()
 
@@ -52,10 +54,10 @@ def _feed(feeds, start, size):
     return {x: X[start:start + size], ids: IDS[start:start + size], y: Y[start:start + size]}
 
 
-def _reference(make_opt, windows, clip_norm=None):
+def _reference(make_opt, windows, clip_norm=None, dtype=tf.float64):
     """Values after each window: the plain optimizer, one step on the window's union."""
     with tf.Graph().as_default():
-        feeds, loss, variables = _model()
+        feeds, loss, variables = _model(dtype)
         opt = make_opt()
         grads_and_vars = opt.compute_gradients(loss, variables)
         if clip_norm is not None:
@@ -74,7 +76,7 @@ def _reference(make_opt, windows, clip_norm=None):
         return out
 
 
-def _accumulated(make_opt, windows, make_k, set_k=None, clip_norm=None, towers=0):
+def _accumulated(make_opt, windows, make_k, set_k=None, clip_norm=None, towers=0, dtype=tf.float64):
     """Values after each window and the sizes the loop read from ``window_size``."""
     with tf.Graph().as_default():
         step = v1.train.get_or_create_global_step()
@@ -85,7 +87,7 @@ def _accumulated(make_opt, windows, make_k, set_k=None, clip_norm=None, towers=0
             train_op = gradaccum.tower.minimize(opt, _loss, list(feeds), devices=devices, global_step=step).train_op
             variables = v1.trainable_variables()
         else:
-            feeds, loss, variables = _model()
+            feeds, loss, variables = _model(dtype)
             train_op = opt.minimize(loss, global_step=step, var_list=variables, weight=tf.shape(feeds[0])[0])
         out, sizes_read, start = [], [], 0
         with v1.Session(config=v1.ConfigProto(device_count={"CPU": max(towers, 1)})) as sess:
@@ -128,11 +130,11 @@ def _schedule_k(windows):
     return lambda: gradaccum.step_schedule([int(b) for b in boundaries], [len(w) for w in windows])
 
 
-def _assert_windows_equal(actual, expected):
+def _assert_windows_equal(actual, expected, rtol=1e-10, atol=1e-12):
     assert len(actual) == len(expected)
     for got_window, want_window in zip(actual, expected):
         for got, want in zip(got_window, want_window):
-            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -159,6 +161,20 @@ def test_clipping_applies_to_each_window_s_average():
     make_k, set_k = _variable_k()
     actual, _ = _accumulated(OPTIMIZERS["adam"], WINDOWS, make_k, set_k, clip_norm=0.05)
     _assert_windows_equal(actual, _reference(OPTIMIZERS["adam"], WINDOWS, clip_norm=0.05))
+
+
+@pytest.mark.parametrize("loss_scale", [64.0, "dynamic"])
+def test_a_loss_scaled_window_equals_the_unscaled_step_on_its_union(loss_scale):
+    make_k, set_k = _variable_k()
+
+    def make_opt():
+        return v1.train.experimental.MixedPrecisionLossScaleOptimizer(OPTIMIZERS["momentum"](), loss_scale)
+
+    # float32: TF's loss-scale optimizer multiplies the loss by a float32 scale.
+    actual, sizes = _accumulated(make_opt, WINDOWS, make_k, set_k, dtype=tf.float32)
+    assert sizes == [len(w) for w in WINDOWS]
+    reference = _reference(OPTIMIZERS["momentum"], WINDOWS, dtype=tf.float32)
+    _assert_windows_equal(actual, reference, rtol=1e-5, atol=1e-6)
 
 
 def test_a_constant_tensor_k_equals_the_same_int_k():

@@ -1,6 +1,7 @@
 """find_micro_batch: the search on a stand-in step, and for real under a memory cap in a child process."""
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -58,9 +59,15 @@ def test_bad_input_raises_one_clear_error(kwargs, error, message):
 def test_under_a_memory_cap_the_choice_runs_and_its_double_does_not():
     done = subprocess.run([sys.executable, os.path.join(HERE, "finder_child.py"), "600"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["double_fails"] and result["untouched"], result
+    lines = done.stdout.strip().splitlines()
+    assert lines and lines[0].startswith("{"), done.stderr[-3000:]
+    result = json.loads(lines[0])  # out only after the choice ran
+    if len(lines) == 2:
+        assert done.returncode == 0 and json.loads(lines[1]) == {"double_fails": True}, (lines, done.returncode)
+    else:  # TF 1.15 may die allocating the double instead of raising: it did not run either.
+        assert len(lines) == 1 and done.returncode in (-signal.SIGSEGV, -signal.SIGABRT), (
+            done.returncode, done.stderr[-3000:])
+    assert result["untouched"], result
     assert result["smallest_that_failed"] is not None
     assert 10 < result["micro_batch_size"] <= result["largest_that_ran"] < result["smallest_that_failed"]
     assert result["micro_batch_size"] * result["num_micro_batches"] >= 4096
