@@ -539,7 +539,7 @@ def update_errors(bench, windows, seed=1):
 
     The full-batch update of a window is ``-lr * mean_i(g_i)`` of its k equal micro-batches
     at the window's starting values (SGD, so an update is its gradient; for batch norm each
-    micro-batch is normalised by its own statistics, as in the README's "what equal means").
+    micro-batch is normalised by its own statistics, as in docs/guides/accumulation.md, "what equal means").
 
     Args:
       bench: built with ``optimizer="sgd", reference=True``.

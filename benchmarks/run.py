@@ -6,6 +6,7 @@ Usage::
     python benchmarks/run.py --quick              # a few minutes: the trend, not for quoting
     python benchmarks/run.py --json benchmarks/results.json
     python benchmarks/run.py --family peers --python /path/to/tf115/bin/python   # TF 1.15
+    python benchmarks/run.py --update-docs        # also rewrite docs/guides/performance.md's figures
 
 Each family (``peers.py``, ``features.py``, ``memory.py``, then any other module here
 with ``plan``/``measure``/``summarize``: see ``harness.py`` for that API) plans its
@@ -66,19 +67,22 @@ def parse_args(argv=None):
     parser.add_argument("--family", action="append", choices=families(), help="run only these (repeatable)")
     parser.add_argument("--python", default=sys.executable, help="the children's interpreter (another TF)")
     parser.add_argument("--output-dir", default=HERE, help="where results.md goes")
-    parser.add_argument("--update-readme", metavar="README",
-                        help="replace the tables between the README's benchmark markers with this run's")
+    parser.add_argument("--update-docs", metavar="PAGE", nargs="?", const=DOCS_PAGE, dest="update_docs",
+                        help="replace the figures between PAGE's benchmark markers with this run's "
+                             "(PAGE: docs/guides/performance.md when omitted)")
+    parser.add_argument("--update-readme", metavar="PAGE", dest="update_docs",
+                        help="the old name of --update-docs PAGE")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.output_dir):
         parser.error("`--output-dir` %r is not a directory" % args.output_dir)
-    if args.update_readme:
+    if args.update_docs:
         try:
-            with open(args.update_readme) as stream:
+            with open(args.update_docs) as stream:
                 text = stream.read()
         except OSError as exc:
-            parser.error("`--update-readme` %r cannot be read: %s" % (args.update_readme, exc.strerror))
-        if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
-            parser.error("`--update-readme` %r must hold the benchmark markers once each" % args.update_readme)
+            parser.error("`--update-docs` %r cannot be read: %s" % (args.update_docs, exc.strerror))
+        if text.count(DOCS_BEGIN) != 1 or text.count(DOCS_END) != 1:
+            parser.error("`--update-docs` %r must hold the benchmark markers once each" % args.update_docs)
     args.family = args.family or families()
     return args
 
@@ -137,8 +141,8 @@ def _ci(summary, key):
     return "" if not ci or None in ci else " (95%% CI %s-%s)" % (harness.fmt(ci[0]), harness.fmt(ci[1]))
 
 
-def readme_table(summary):
-    """Markdown lines: the README's performance table, filled from ``summary``."""
+def docs_table(summary):
+    """Markdown lines: the performance page's tables, filled from ``summary``."""
     def row(what, key, target="-", digits=3):
         return [what, "**%s**%s" % (harness.fmt(summary.get(key), digits), _ci(summary, key)), target]
 
@@ -175,29 +179,30 @@ def readme_table(summary):
         ["model", "training", "time / ours (95% CI)", "max rel. error vs full batch", "TF peak (BFC)"], cells)
 
 
-README_BEGIN = "<!-- benchmarks: begin (python benchmarks/run.py --update-readme README.md) -->"
-README_END = "<!-- benchmarks: end -->"
+DOCS_PAGE = os.path.join(os.path.dirname(HERE), "docs", "guides", "performance.md")
+DOCS_BEGIN = "<!-- benchmarks: begin (python benchmarks/run.py --update-docs docs/guides/performance.md) -->"
+DOCS_END = "<!-- benchmarks: end -->"
 
 
-def update_readme(path, summary):
-    """Replaces the text between ``README_BEGIN`` and ``README_END`` in ``path`` with this run's tables.
+def update_docs(path, summary):
+    """Replaces the text between ``DOCS_BEGIN`` and ``DOCS_END`` in ``path`` with this run's tables.
 
     Raises:
       ValueError: when the markers are missing.
     """
     with open(path) as stream:
         text = stream.read()
-    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1:
-        raise ValueError("`--update-readme` %r must hold the markers %r and %r once each"
-                         % (path, README_BEGIN, README_END))
-    head, rest = text.split(README_BEGIN)
-    tail = rest.split(README_END)[1]
+    if text.count(DOCS_BEGIN) != 1 or text.count(DOCS_END) != 1:
+        raise ValueError("`--update-docs` %r must hold the markers %r and %r once each"
+                         % (path, DOCS_BEGIN, DOCS_END))
+    head, rest = text.split(DOCS_BEGIN)
+    tail = rest.split(DOCS_END)[1]
     lines = ["Measured %s on %s, TensorFlow %s, `%s` (%.0f s, load average %.1f then %.1f)%s:" % (
         summary["date"], summary["machine"], ", ".join(summary["tensorflow"]), summary["command"].strip(),
         summary["seconds"], summary["load_average"][0], summary["load_average"][1],
-        " (--quick: the trend only)" if summary["quick"] else ""), ""] + readme_table(summary)
+        " (--quick: the trend only)" if summary["quick"] else ""), ""] + docs_table(summary)
     with open(path, "w") as stream:
-        stream.write(head + README_BEGIN + "\n" + "\n".join(lines) + "\n" + README_END + tail)
+        stream.write(head + DOCS_BEGIN + "\n" + "\n".join(lines) + "\n" + DOCS_END + tail)
 
 
 def main(argv=None):
@@ -230,7 +235,7 @@ def main(argv=None):
                           summary["seconds"], load, summary["load_average"][1],
                           " (--quick: the trend, not for quoting)" if args.quick else ""), ""]
                      + ["- FAILED: %s" % failure for failure in failures] + headline(summary) + [""]
-                     + ["### The README's tables", ""] + readme_table(summary) + [""] + lines) + "\n"
+                     + ["### The performance page's tables", ""] + docs_table(summary) + [""] + lines) + "\n"
     with open(os.path.join(args.output_dir, "results_quick.md" if args.quick else "results.md"), "w") as stream:
         stream.write(text)
     if args.json:
@@ -238,8 +243,8 @@ def main(argv=None):
             json.dump(summary, stream, indent=1, sort_keys=True)
             stream.write("\n")
     sys.stdout.write(text)
-    if args.update_readme:
-        update_readme(args.update_readme, summary)
+    if args.update_docs:
+        update_docs(args.update_docs, summary)
     return 1 if failures else 0
 
 

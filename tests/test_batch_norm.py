@@ -723,7 +723,7 @@ def test_every_layer_of_example_cnn_gets_its_pooled_window_statistics(example):
 @pytest.mark.parametrize("how", ["update_ops", "control_dependencies"])
 def test_apply_gradients_users_choose_window_or_per_micro_batch(how):
     """``apply_gradients(..., update_ops=UPDATE_OPS)``: window statistics; the user's own
-    ``control_dependencies(UPDATE_OPS)``: today's per-micro-batch updates (README)."""
+    ``control_dependencies(UPDATE_OPS)``: per-micro-batch updates (docs/guides/batch_norm.md)."""
     data = _window_data([5, 3, 6], 2, (3,), np.float64)
 
     def build(optimizer, x, y, k, momentum):

@@ -159,7 +159,7 @@ def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(summary))
     assert json.loads(path.read_text())["floor_ms"] == pytest.approx(1.3)
-    table = run.readme_table(summary)
+    table = run.docs_table(summary)
     assert "| mlp10m | tensorpack `AccumGradOptimizer` | 0.981 (0.981-1.000) | 7 | n/a |" in table
     assert "| 10M MLP: (ours - forward+backward) / floor | **1.000** (95% CI 1.000-1.000) | <= 1.10 |" in table
     lines = run.headline(summary)
@@ -267,24 +267,36 @@ def test_failed_and_timed_out_children_raise_one_line():
         harness.run_child("memory", {"kind": "memory"}, 0.01)
 
 
-def test_update_readme_replaces_only_the_text_between_the_markers(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n%s\nold table\n%s\nafter\n" % (run.README_BEGIN, run.README_END))
+def test_update_docs_replaces_only_the_text_between_the_markers(tmp_path):
+    page = tmp_path / "performance.md"
+    page.write_text("intro\n%s\nold table\n%s\nafter\n" % (run.DOCS_BEGIN, run.DOCS_END))
     summary = dict(peers.summarize(_peers_results())[0], date="2026-11-23 10:00 UTC", machine="m",
                    tensorflow=["2.21.0 (tf1)"], command="python benchmarks/run.py ", seconds=300.0,
                    load_average=[0.5, 0.7], quick=False)
-    run.update_readme(str(readme), summary)
-    text = readme.read_text()
-    assert text.startswith("intro\n" + run.README_BEGIN + "\nMeasured 2026-11-23 10:00 UTC on m")
+    run.update_docs(str(page), summary)
+    text = page.read_text()
+    assert text.startswith("intro\n" + run.DOCS_BEGIN + "\nMeasured 2026-11-23 10:00 UTC on m")
     assert "old table" not in text
-    assert text.endswith(run.README_END + "\nafter\n") and "| <= 1.10 |" in text
-    run.update_readme(str(readme), summary)  # Idempotent: the markers stay.
-    assert readme.read_text() == text
+    assert text.endswith(run.DOCS_END + "\nafter\n") and "| <= 1.10 |" in text
+    run.update_docs(str(page), summary)  # Idempotent: the markers stay.
+    assert page.read_text() == text
+
+
+def test_update_docs_defaults_to_the_performance_guide_which_holds_the_markers():
+    assert run.parse_args(["--update-docs"]).update_docs == run.DOCS_PAGE
+    assert run.parse_args(["--update-readme", run.DOCS_PAGE]).update_docs == run.DOCS_PAGE  # The old name.
+    assert run.parse_args([]).update_docs is None
+    with open(run.DOCS_PAGE) as stream:
+        text = stream.read()
+    assert text.count(run.DOCS_BEGIN) == 1 and text.count(run.DOCS_END) == 1
+    assert text.index(run.DOCS_BEGIN) < text.index(run.DOCS_END)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--output-dir", "/nonexistent/dir"], "`--output-dir` '/nonexistent/dir' is not a directory"),
-    (["--update-readme", os.path.abspath(__file__)], "must hold the benchmark markers once each"),
+    (["--update-docs", os.path.abspath(__file__)], "must hold the benchmark markers once each"),
+    (["--update-readme", os.path.abspath(__file__)], "`--update-docs` %r must hold the benchmark markers once each"
+     % os.path.abspath(__file__)),
     (["--family", "bogus"], "argument --family: invalid choice: 'bogus'"),
 ])
 def test_bad_flags_exit_with_one_line(argv, message, capsys):

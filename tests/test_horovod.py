@@ -1,8 +1,8 @@
 """GradientAccumulator over Horovod: one all-reduce per applied update.
 
 Skipped when ``horovod.tensorflow`` is not importable (it builds against
-TensorFlow 2.15, not 2.21; see the README). The recipe under test is the
-README's: ``GradientAccumulator(cluster.AllReduceOnApply(opt, hvd_allreduce), k)``.
+TensorFlow 2.15, not 2.21; see docs/guides/distributed.md). The recipe under test is the
+guide's: ``GradientAccumulator(cluster.AllReduceOnApply(opt, hvd_allreduce), k)``.
 Each rank trains the seed's parabola net on its half of the 50 points with k
 micro-batches per update; the result must equal one process's full-batch run,
 and the all-reduce must have run once per variable per update, never per
@@ -16,7 +16,8 @@ import textwrap
 import numpy as np
 import pytest
 
-hvd = pytest.importorskip("horovod.tensorflow", reason="horovod is not installed (see README: Horovod)")
+hvd = pytest.importorskip("horovod.tensorflow",
+                          reason="horovod is not installed (see docs/guides/distributed.md: Horovod)")
 
 pytestmark = pytest.mark.timeout(150)
 
