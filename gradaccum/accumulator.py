@@ -134,7 +134,7 @@ class GradientAccumulator(WrappingOptimizer):
 
     @property
     def num_micro_batches(self):
-        """Micro-batches per applied update: the int, tensor, callable or policy given."""
+        """The micro-batches per applied update, as given (the int, tensor, callable or policy)."""
         return self._k if self._size_fn is None else self._given
 
     @property
@@ -318,7 +318,7 @@ class GradientAccumulator(WrappingOptimizer):
 
     @property
     def windows(self):
-        """The :class:`Window` of every train op built, in build order (all graphs)."""
+        """The ``Window`` of every train op built, in build order (all graphs)."""
         return list(self._windows)
 
     @property
@@ -345,7 +345,7 @@ class GradientAccumulator(WrappingOptimizer):
 
     @property
     def weight_sum(self):
-        """Variable: the weight added since the last apply or reset."""
+        """tf.Variable: the weight added since the last apply or reset."""
         return self._window_field("weight_sum")
 
     @property

@@ -99,7 +99,7 @@ class ClusterConfig(collections.namedtuple("ClusterConfig", ["cluster", "task_ty
 
     @property
     def num_towers(self):
-        """How many towers :func:`worker_devices` returns."""
+        """How many towers :func:`gradaccum.ingraph.worker_devices` returns."""
         return len(self.compute_tasks)
 
 

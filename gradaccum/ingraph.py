@@ -47,7 +47,7 @@ def worker_devices(config, device="cpu:0"):
     """Device strings for ``tower.minimize``: one tower per compute task.
 
     Args:
-      config: a :class:`ClusterConfig`.
+      config: a :class:`~gradaccum.cluster.ClusterConfig`.
       device: the local device each task computes its tower on, e.g.
         ``"cpu:0"`` or ``"gpu:0"``, or a list with one entry per compute task
         (chief first, then the workers in index order).
@@ -70,7 +70,7 @@ def variables_device(config, ps_task=0):
     """Where the shared variables live: a ps task, else the chief's CPU.
 
     Args:
-      config: a :class:`ClusterConfig`.
+      config: a :class:`~gradaccum.cluster.ClusterConfig`.
       ps_task: which ps task holds the variables when the cluster has ps tasks.
 
     Returns:
@@ -98,7 +98,7 @@ def session_config(config, base=None):
     only itself, so that it does not wait for the other tasks to come up.
 
     Args:
-      config: a :class:`ClusterConfig`.
+      config: a :class:`~gradaccum.cluster.ClusterConfig`.
       base: a ``tf.compat.v1.ConfigProto`` to start from (copied), or None.
 
     Returns:
@@ -134,7 +134,7 @@ class StopSignal(object):
     :meth:`send` it after training; :func:`serve` then returns in each task.
 
     Args:
-      config: a :class:`ClusterConfig`.
+      config: a :class:`~gradaccum.cluster.ClusterConfig`.
       name: name scope of the enqueue ops.
 
     Example:
@@ -197,8 +197,8 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
     or stopped (SIGSTOP) chief by more than ``heartbeat_timeout_seconds``.
 
     Args:
-      server: this task's server from :func:`start_server`.
-      config: a :class:`ClusterConfig` of a non-chief task.
+      server: this task's server from :func:`~gradaccum.cluster.start_server`.
+      config: a :class:`~gradaccum.cluster.ClusterConfig` of a non-chief task.
       poll_seconds: interval of the stop-signal and chief checks.
       startup_timeout_seconds: how long the chief may take to come up.
       heartbeat_timeout_seconds: how long a chief that accepts connections

@@ -183,7 +183,7 @@ class NoiseFilter(object):
 
     Example:
       >>> keep = NoiseFilter()
-      >>> keep(b"W0000 00:00:1.0  7 port.cc:1] oneDNN custom operations are on\n")
+      >>> keep(b"W0000 00:00:1.0  7 port.cc:1] oneDNN custom operations are on\\n")
       False
     """
 

@@ -6,7 +6,7 @@ true gradient, ``Sigma`` the per-example gradient covariance) from squared
 gradient norms measured at two batch sizes. An accumulator has both for free:
 each small batch (a micro-batch, or a tower's shard of one) gives
 ``|G_small|^2``, each window's averaged gradient gives ``|G_big|^2``. Since
-``E|G_B|^2 = |G|^2 + tr(Sigma)/B`` for the weighted mean of ``B`` examples,
+``E|G_B|^2 = |G|^2 + tr(Sigma)/B`` for the weighted mean of ``B`` examples, ::
 
     |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)
@@ -52,7 +52,7 @@ from gradaccum._compat import tf
 from gradaccum._wrapper import optimizer_chain, state_variable
 
 DEFAULT_DECAY = 0.99
-"""Decay of the moving averages: about the last 100 windows count."""
+"""Decay of the moving averages (about the last 100 windows count)."""
 
 _WINDOW = ("small_sq_norm_sum", "small_weight_sum", "small_batches")
 _LAST = ("last_big_sq_norm", "last_small_sq_norm", "last_small_weight_sum", "last_small_batches",
@@ -172,7 +172,7 @@ class GradientStatistics(object):
 
     @property
     def window_weight(self):
-        """Variable: the weight of the last applied window (the effective batch)."""
+        """tf.Variable: the weight of the last applied window (the effective batch)."""
         return self._vars["last_window_weight"]
 
     @property

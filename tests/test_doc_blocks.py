@@ -1,6 +1,6 @@
-"""Every ```python and ```bash block of README.md, run or checked as a user would.
+"""Every ```python and ```bash block of README.md and docs/**/*.md, run or checked as a user would.
 
-The rule (also stated in the README's "Quick start"):
+The rule (also stated in the README and the docs' README):
 
 * A ```python block is a complete program. It is written to a file and run
   with this Python in a fresh process, in an empty directory, with
@@ -19,12 +19,16 @@ The rule (also stated in the README's "Quick start"):
   recipes, Horovod, a cluster's ``TF_CONFIG``); so are the README's two
   install commands (``<!-- command:example -->``, ``<!-- command:test -->``),
   which ``.ci/run`` runs in a fresh virtual environment.
-* Blocks without a language (program output) are not code.
+* Blocks without a language (program output) are not code, nor are MyST
+  directives (```` ```{toctree} ````, ```` ```{eval-rst} ````). A block in
+  ```py, ```sh, ```shell or ```console would escape these rules: it fails.
 
 The blocks choose their own TensorFlow behaviour, so they run in the
 ``--tf-mode=tf1`` session only; the ``tf2`` session checks the bash blocks.
+Test ids name the file and the fence's line: ``docs/guides/towers.md:L42-python``.
 """
 import collections
+import glob
 import os
 import re
 import subprocess
@@ -34,18 +38,25 @@ import textwrap
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
 TIMEOUT = 120  # Seconds per block: a block should take < 20 s, TensorFlow's import included.
 SKIP_MARKERS = ("<!-- norun -->", "<!-- command:example -->", "<!-- command:test -->")
 RUN_MARKER = "<!-- run -->"
+EVASIVE_LANGUAGES = ("py", "python3", "sh", "shell", "console", "shell-session", "zsh")
 
-Block = collections.namedtuple("Block", ["language", "line", "marker", "heading", "code"])
+Block = collections.namedtuple("Block", ["language", "line", "marker", "heading", "code", "path"])
 
 
-def readme_blocks(path=README):
+def doc_files(root=ROOT):
+    """README.md and every Markdown page under docs/ (not a build's output), relative to ``root``."""
+    pages = glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True)
+    pages = [os.path.relpath(p, root) for p in pages]
+    return ["README.md"] + sorted(p for p in pages if "_build" not in p.split(os.sep))
+
+
+def read_blocks(path):
     """Returns the fenced blocks of ``path`` as ``Block``s (``marker``: the line above the fence)."""
     blocks, heading, previous, fence = [], "", "", None
-    with open(path, encoding="utf-8") as handle:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as handle:
         lines = handle.read().splitlines()
     for number, line in enumerate(lines, 1):
         stripped = line.strip()
@@ -54,7 +65,7 @@ def readme_blocks(path=README):
         elif fence is not None and stripped.startswith("```"):
             # Blocks inside list items are indented as a whole: dedent them.
             code = textwrap.dedent("\n".join(fence[4]) + "\n")
-            blocks.append(Block(fence[0], fence[1], fence[2], fence[3], code))
+            blocks.append(Block(fence[0], fence[1], fence[2], fence[3], code, path))
             fence, previous = None, stripped
         elif fence is not None:
             fence[4].append(line)
@@ -66,11 +77,12 @@ def readme_blocks(path=README):
     return blocks
 
 
-BLOCKS = [block for block in readme_blocks() if block.language in ("python", "bash")]
+ALL_BLOCKS = [block for path in doc_files() for block in read_blocks(path)]
+BLOCKS = [block for block in ALL_BLOCKS if block.language in ("python", "bash")]
 
 
 def _id(block):
-    return "%s@L%d-%s" % (block.language, block.line, re.sub(r"[^A-Za-z0-9]+", "_", block.heading)[:40])
+    return "%s:L%d-%s" % (block.path.replace(os.sep, "/"), block.line, block.language)
 
 
 def _env():
@@ -89,14 +101,17 @@ def _run(command, cwd):
         proc.returncode, proc.stdout[-3000:], proc.stderr[-5000:])
 
 
-def _example_flags(script):
-    """The option strings of ``examples/<script>``, with ``_cli``'s shared ones where it builds on them."""
+def _example_flags(script, seen=None):
+    """The option strings of ``examples/<script>`` and of the ``examples/_*.py`` helpers it imports."""
+    seen = set() if seen is None else seen
+    seen.add(script)
     path = os.path.join(ROOT, "examples", script)
     with open(path, encoding="utf-8") as handle:
         source = "".join(line for line in handle if ">>>" not in line)  # Not the docstrings' examples.
     flags = set(re.findall(r"""add(?:_argument)?\(\s*["'](--[a-z0-9-]+)""", source))
-    if script != "_cli.py" and "_cli.small_model_parser(" in source:
-        flags |= _example_flags("_cli.py")
+    for helper in re.findall(r"^\s*(?:from|import) (_\w+)", source, re.M):
+        if helper + ".py" not in seen and os.path.isfile(os.path.join(ROOT, "examples", helper + ".py")):
+            flags |= _example_flags(helper + ".py", seen)
     return flags
 
 
@@ -116,46 +131,60 @@ def _check_bash(block):
             assert not unknown, "line %r passes %s, not flags of %s" % (line.strip(), unknown, script)
 
 
-def test_readme_has_blocks_to_run():
+def test_there_are_blocks_to_run():
+    assert "docs/index.md" in [p.replace(os.sep, "/") for p in doc_files()]
     languages = collections.Counter(block.language for block in BLOCKS)
     assert languages["python"] >= 5 and languages["bash"] >= 3, languages
+    assert any(b.path == "README.md" and b.language == "python" for b in BLOCKS), "README.md has no example"
+
+
+def test_no_block_escapes_the_rules():
+    evasive = ["%s (```%s)" % (_id(b), b.language) for b in ALL_BLOCKS if b.language.lower() in EVASIVE_LANGUAGES]
+    assert not evasive, "write ```python or ```bash, so that the block is run or checked: %s" % evasive
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[_id(block) for block in BLOCKS])
-def test_readme_block(block, tmp_path, tf_mode):
+def test_block(block, tmp_path, tf_mode):
     if block.marker in SKIP_MARKERS:
         pytest.skip("marked %s" % block.marker)
     if block.language == "bash" and block.marker != RUN_MARKER:
         _check_bash(block)
         return
     if tf_mode != "tf1":
-        pytest.skip("README blocks choose their own TensorFlow behaviour: run in the tf1 session only")
+        pytest.skip("doc blocks choose their own TensorFlow behaviour: run in the tf1 session only")
     if block.language == "python":
-        path = tmp_path / "readme_block.py"
+        path = tmp_path / "doc_block.py"
         path.write_text(block.code, encoding="utf-8")
         _run([sys.executable, str(path)], str(tmp_path))
     else:
         _run(["bash", "-euo", "pipefail", "-c", block.code], ROOT)
 
 
-def test_parser_sees_markers_and_headings(tmp_path):
-    path = tmp_path / "README.md"
-    path.write_text("# Top\n\n## Part\n<!-- norun -->\n```python\nx = 1\n```\n\nText\n\n```bash\necho hi\n```\n"
-                    "```\noutput\n```\n* item:\n\n  ```python\n  if x:\n      y = 2\n  ```\n", encoding="utf-8")
-    blocks = readme_blocks(str(path))
+def test_parser_sees_markers_and_headings(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    (tmp_path / "docs" / "guides").mkdir(parents=True)
+    (tmp_path / "docs" / "_build").mkdir()
+    for name in ("README.md", "docs/index.md", "docs/guides/b.md", "docs/guides/a.md", "docs/_build/x.md"):
+        (tmp_path / name).write_text("", encoding="utf-8")
+    assert [p.replace(os.sep, "/") for p in doc_files(str(tmp_path))] == [
+        "README.md", "docs/guides/a.md", "docs/guides/b.md", "docs/index.md"]
+    (tmp_path / "README.md").write_text(
+        "# Top\n\n## Part\n<!-- norun -->\n```python\nx = 1\n```\n\nText\n\n```bash\necho hi\n```\n"
+        "```\noutput\n```\n* item:\n\n  ```python\n  if x:\n      y = 2\n  ```\n", encoding="utf-8")
+    blocks = read_blocks("README.md")
     assert [(b.language, b.line, b.marker, b.heading, b.code) for b in blocks] == [
         ("python", 5, "<!-- norun -->", "Part", "x = 1\n"),
         ("bash", 11, "Text", "Part", "echo hi\n"),
         ("", 14, "```", "Part", "output\n"),
         ("python", 19, "* item:", "Part", "if x:\n    y = 2\n"),
     ]
+    assert _id(blocks[3]) == "README.md:L19-python"
 
 
 def test_bash_check_catches_a_bad_flag_and_a_missing_file():
-    bad_flag = Block("bash", 1, "", "", "python examples/fashion_mnist_subdivision.py --max-step 3\n")
+    bad_flag = Block("bash", 1, "", "", "python examples/fashion_mnist_subdivision.py --max-step 3\n", "x.md")
     with pytest.raises(AssertionError, match=r"passes \['--max-step'\]"):
         _check_bash(bad_flag)
     with pytest.raises(AssertionError, match=r"nothing.py names a missing file"):
-        _check_bash(Block("bash", 1, "", "", "python examples/nothing.py\n"))
-    _check_bash(Block("bash", 1, "", "", "python examples/compare_batches.py --epochs 2 --width 8\n"))
-
+        _check_bash(Block("bash", 1, "", "", "python examples/nothing.py\n", "x.md"))
+    _check_bash(Block("bash", 1, "", "", "python examples/compare_batches.py --epochs 2 --width 8\n", "x.md"))

@@ -1,0 +1,120 @@
+"""Sphinx configuration of gradaccum's documentation site (see docs/README.md).
+
+The pages are MyST Markdown; the API reference is generated from the
+Google-style docstrings (autodoc + napoleon), so autodoc imports gradaccum and
+therefore TensorFlow. The build is nitpicky: a reference to one of our names
+that does not resolve is an error; names of TensorFlow, NumPy and the
+standard library, which this offline build cannot link (no intersphinx), are
+listed in ``nitpick_ignore_regex`` below.
+"""
+import importlib.util
+import inspect
+import os
+import sys
+
+# As tests/conftest.py: tf.compat.v1.layers needs tf_keras on TF >= 2.16, and TensorFlow's
+# start-up messages are not build output.
+if importlib.util.find_spec("tf_keras") is not None:
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import gradaccum  # noqa: E402
+
+project = "gradaccum"
+author = "the gradaccum authors"
+copyright = "the gradaccum authors"
+release = version = gradaccum.__version__
+
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+# compare_batches.md is a generated table that the Fashion-MNIST guide includes; README.md says how to build.
+exclude_patterns = ["_build", "README.md", "compare_batches.md", "**/.ipynb_checkpoints", ".*"]
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3  # [text](page.md#a-heading) links resolve, and are checked.
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "none"  # The library has no annotations; the docstrings' Args say the types.
+autoclass_content = "class"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_preprocess_types = True
+napoleon_attr_annotations = False
+
+nitpicky = True
+# Only names that are not ours: TensorFlow's, NumPy's, Python's, and the descriptions docstrings give in place
+# of a type ("int64 scalar tensor": a target with a space is no Python name). A broken reference to a
+# gradaccum name stays an error.
+nitpick_ignore_regex = [
+    (r"py:.*", r"(tf|np|numpy|tensorflow)\..*"),
+    (r"py:.*", r".*\s.*"),
+]
+
+html_theme = "furo"
+html_title = "gradaccum %s" % release
+html_show_sourcelink = False
+html_theme_options = {"navigation_with_keys": True}
+
+
+def _documented(domain, name):
+    entry = domain.objects.get(name)
+    return entry if entry is not None and not entry.aliased else None
+
+
+def _reexports():
+    """(name where a user may find it, its home's name) for every re-exported class and function.
+
+    ``gradaccum.Tower`` is ``gradaccum.tower.Tower``; ``gradaccum.cluster.CollectiveAllReduce`` is
+    ``gradaccum.collective.CollectiveAllReduce``. The API page documents each object once, under
+    one of its names; the others become aliases, so that both resolve.
+    """
+    pairs = []
+    for module in [gradaccum] + [getattr(gradaccum, n) for n in gradaccum.__all__ if inspect.ismodule(
+            getattr(gradaccum, n))]:
+        names = module.__all__ if module is gradaccum else [n for n in vars(module) if not n.startswith("_")]
+        for name in names:
+            obj = getattr(module, name)
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__.startswith("gradaccum"):
+                home = "%s.%s" % (obj.__module__, obj.__qualname__)
+                if home != "%s.%s" % (module.__name__, name):
+                    pairs.append(("%s.%s" % (module.__name__, name), home))
+    return pairs
+
+
+def _add_aliases(app, env):
+    """Makes every re-exported name resolve to the one place its object is documented.
+
+    A name in ``gradaccum.__all__`` documented under none of its names is a warning (an error with -W).
+    """
+    from sphinx.util import logging
+
+    domain = env.get_domain("py")
+    for alias, home in _reexports():
+        names = [n for n in (alias, home) if _documented(domain, n)]
+        if not names:
+            if alias.count(".") == 1:
+                logging.getLogger(__name__).warning("%s (in gradaccum.__all__) is not in the API reference", alias)
+            continue
+        source = names[0]
+        target = home if source == alias else alias
+        for name, entry in list(domain.objects.items()):
+            if (name == source or name.startswith(source + ".")) and not entry.aliased:
+                new = target + name[len(source):]
+                if new not in domain.objects:
+                    domain.objects[new] = entry._replace(aliased=True)
+
+
+def _skip_tuple_fields(app, what, name, obj, skip, options):
+    """Leaves out a namedtuple's field accessors: its docstring's Attributes section describes them."""
+    return True if (getattr(obj, "__doc__", None) or "").startswith("Alias for field number") else None
+
+
+def setup(app):
+    app.connect("autodoc-skip-member", _skip_tuple_fields)
+    app.connect("env-check-consistency", _add_aliases)
+    return {"parallel_read_safe": True}
