@@ -1,6 +1,6 @@
-"""Compare a batch of 5,000 in 50 subdivisions with 5,000 at once and with a small batch.
+"""Compare a batch of 5,000 in 50 subdivisions with 5,000 at once, a small batch and an adaptive one.
 
-Trains ``fashion_mnist_subdivision.py`` three times, each in its own process
+Trains ``fashion_mnist_subdivision.py`` four times, each in its own process
 (so that each peak memory is its own), on the same data, with the same seed,
 for the same number of epochs, so every run sees the same examples:
 
@@ -9,13 +9,19 @@ for the same number of epochs, so every run sees the same examples:
 3. ``small``: a batch of 100, no accumulation, 50 times as many updates
    (warm-up 50 times as long, in updates; Adam's learning rate
    ``--small-learning-rate``; batch norm's momentum the 50th root of the
-   others', so that the moving averages forget at the same rate per example).
+   others', so that the moving averages forget at the same rate per example);
+4. ``adaptive``: ``--adaptive-batch``: 2 to 50 micro-batches of 100, as many
+   as the gradient noise scale says, with the example's defaults and the
+   learning rate of the 5,000 runs, scaled by the policy (nothing tuned for
+   the batch it picks).
 
-It writes ``compare_batches.png`` (test accuracy and test loss against the
-examples seen; the legend gives each run's wall time and peak memory),
-``compare_batches.md`` (a Markdown table of the same figures) and the three
-runs' ``--json`` summaries into ``--out-dir``. ``--replot`` redraws from those
-summaries without training. Bad input: one line, exit status 2.
+It writes ``compare_batches.png`` (test accuracy against the examples seen
+and against the updates, test loss, and the batch per update; the legend
+gives each run's wall time and peak memory), ``compare_batches.md`` (a
+Markdown table of the same figures) and the runs' ``--json`` summaries into
+``--out-dir``. ``--only NAME`` trains only that run and reads the others
+from ``--out-dir``; ``--replot`` redraws from the summaries without
+training. Bad input: one line, exit status 2.
 
 Example:
   python examples/compare_batches.py --epochs 10 --out-dir docs
@@ -35,6 +41,8 @@ RUNS = [
     ("subdivided", "5,000 in 50 subdivisions of 100", ["--batch-size", "5000", "--subdivisions", "50"]),
     ("full", "5,000 at once", ["--batch-size", "5000", "--no-subdivisions"]),
     ("small", "100, no accumulation", ["--batch-size", "100", "--no-subdivisions"]),
+    ("adaptive", "adaptive: 2 to 50 micro-batches of 100 by the noise scale",
+     ["--batch-size", "5000", "--subdivisions", "50", "--adaptive-batch"]),
 ]
 
 
@@ -62,7 +70,7 @@ def parse_args(argv=None):
     parser.add_argument("--out-dir", default=".", help="where the PNG, the table and the summaries go")
     parser.add_argument("--only", choices=[name for name, _, _ in RUNS], action="append",
                         help="train only this run (repeatable; to run them in parallel); the others are read "
-                             "from --out-dir, and the PNG and table are written once all three are there")
+                             "from --out-dir, and the PNG and table are written once all of them are there")
     parser.add_argument("--replot", action="store_true", help="do not train: redraw from the summaries")
     args, rest = parser.parse_known_args(argv)
     if args.epochs < 1:
@@ -78,7 +86,7 @@ def run_flags(name, args, passed_on):
     """Returns the example's flags for run ``name``.
 
     Args:
-      name: ``"subdivided"``, ``"full"`` or ``"small"``.
+      name: ``"subdivided"``, ``"full"``, ``"small"`` or ``"adaptive"``.
       args: this script's flags.
       passed_on: flags for the example, added to every run.
 
@@ -128,6 +136,45 @@ def train(name, args, passed_on):
         return json.load(handle)
 
 
+def batches(summary):
+    """The mean batch per update of each epoch (summaries without ``batch_per_epoch`` had a fixed batch).
+
+    Args:
+      summary: a run's ``--json`` summary.
+
+    Returns:
+      A list of numbers, one per evaluation.
+
+    Example:
+      >>> batches({"batch_size": 5000, "examples_seen": [60000, 120000]})
+      [5000, 5000]
+    """
+    return summary.get("batch_per_epoch") or [summary["batch_size"]] * len(summary["examples_seen"])
+
+
+def updates(summary):
+    """The updates applied by each evaluation.
+
+    Args:
+      summary: a run's ``--json`` summary.
+
+    Returns:
+      A list of ints, one per evaluation.
+
+    Example:
+      >>> updates({"batch_size": 5000, "examples_seen": [60000, 120000]})
+      [12, 24]
+    """
+    if summary.get("updates_per_epoch"):
+        done = 0
+        counts = []
+        for count in summary["updates_per_epoch"]:
+            done += count
+            counts.append(done)
+        return counts
+    return [seen // summary["batch_size"] for seen in summary["examples_seen"]]
+
+
 def table(results):
     """Returns the Markdown table of the runs.
 
@@ -140,21 +187,24 @@ def table(results):
     Example:
       >>> print(table([("full", "5,000 at once", summary)]))
     """
-    lines = ["| run | updates | test accuracy, last two evaluations | final test loss | wall time | CPU time "
-             "| peak memory |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| run | batch per update, first and last epoch | updates | test accuracy, last two evaluations "
+             "| final test loss | wall time | CPU time | peak memory |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, label, summary in results:
-        lines.append("| %s | %d | %s | %.4f | %.0f s | %.0f s | %.0f MB |" % (
-            label, summary["updates"], ", ".join("%.4f" % a for a in summary["test_accuracy"][-2:]),
+        sizes = batches(summary)
+        lines.append("| %s | %s | %d | %s | %.4f | %.0f s | %.0f s | %.0f MB |" % (
+            label, "%d" % sizes[0] if sizes[0] == sizes[-1] else "%d, %d" % (sizes[0], sizes[-1]),
+            summary["updates"], ", ".join("%.4f" % a for a in summary["test_accuracy"][-2:]),
             summary["test_loss"][-1], summary["seconds"], summary["cpu_seconds"], summary["peak_rss_mb"]))
     return "\n".join(lines) + "\n"
 
 
 def plot(results, path):
-    """Draws test accuracy and test loss against examples seen into ``path`` (a PNG).
+    """Draws test accuracy against examples seen and against updates, test loss, and the batch, into ``path``.
 
     Args:
       results: ``[(name, label, summary)]``.
-      path: the file to write.
+      path: the PNG to write.
 
     Example:
       >>> plot(results, "compare_batches.png")
@@ -164,27 +214,37 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (accuracy, loss) = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure, panels = plt.subplots(2, 2, figsize=(12, 9))
+    (accuracy, by_update), (loss, batch) = panels
     for name, label, summary in results:
         seen = [n / 1e3 for n in summary["examples_seen"]]
-        legend = "%s: %.0f s (CPU %.0f s), %.0f MB" % (label, summary["seconds"], summary["cpu_seconds"],
-                                                       summary["peak_rss_mb"])
-        accuracy.plot(seen, summary["test_accuracy"], marker="o", markersize=3, label=legend)
-        loss.plot(seen, summary["test_loss"], marker="o", markersize=3, label=legend)
-    accuracy.axhline(0.88, color="grey", linewidth=0.8, linestyle=":")
-    accuracy.set(xlabel="examples seen (thousands)", ylabel="test accuracy", ylim=(0.7, 0.95))
-    loss.set(xlabel="examples seen (thousands)", ylabel="test loss (mean cross-entropy)", ylim=(0.2, 0.8))
-    accuracy.legend(fontsize=8, loc="lower right")
-    loss.legend(fontsize=8, loc="upper right")
+        legend = "%s: %d updates, %.0f s (CPU %.0f s), %.0f MB" % (
+            label, summary["updates"], summary["seconds"], summary["cpu_seconds"], summary["peak_rss_mb"])
+        style = dict(marker="o", markersize=3, label=legend)
+        accuracy.plot(seen, summary["test_accuracy"], **style)
+        by_update.plot(updates(summary), summary["test_accuracy"], **style)
+        loss.plot(seen, summary["test_loss"], **style)
+        # Each epoch's batch over that epoch's span of examples, from 0 on.
+        batch.plot([0] + seen, batches(summary)[:1] + batches(summary), drawstyle="steps-pre",
+                   markevery=list(range(1, len(seen) + 1)), **style)
+    for panel in (accuracy, by_update):
+        panel.axhline(0.92, color="grey", linewidth=0.8, linestyle=":")
+        panel.set(ylabel="test accuracy", ylim=(0.8, 0.93))
+    accuracy.set(xlabel="examples seen (thousands)")
+    by_update.set(xlabel="updates (log scale)", xscale="log")
+    loss.set(xlabel="examples seen (thousands)", ylabel="test loss (mean cross-entropy)", ylim=(0.2, 0.6))
+    batch.set(xlabel="examples seen (thousands)", ylabel="examples per update (mean over the epoch, log scale)",
+              yscale="log")
+    figure.legend(*accuracy.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8)
     first = results[0][2]
-    figure.suptitle("Fashion-MNIST (%s), same seed and examples; legend: wall time (CPU time), peak memory"
-                    % first["source"], fontsize=9)
-    figure.tight_layout()
+    figure.suptitle("Fashion-MNIST (%s), same seed and examples, %d epochs; legend: updates, wall time (CPU "
+                    "time), peak memory" % (first["source"], len(first["examples_seen"])), fontsize=9)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
     figure.savefig(path, dpi=100)
 
 
 def main(argv=None):
-    """Trains (or reads) the three runs, then writes the PNG and the table.
+    """Trains (or reads) the runs, then writes the PNG and the table.
 
     Args:
       argv: the arguments, without the program name.

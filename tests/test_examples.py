@@ -35,7 +35,9 @@ from test_statistics import _events  # noqa: E402
 
 EPOCH_LINE = re.compile(r"^epoch (\d+): step (\d+), learning rate \S+, train loss (\d+\.\d{4}), test loss \d+\.\d{4}, "
                         r"test accuracy ([01]\.\d{4}), \d+\.\d s, peak memory \d+ MB$")
-PROGRESS_LINE = re.compile(r"^update (\d+)/(\d+) \[[#.]{20}\] loss (\d+\.\d{4}), (\d+) examples/s, ETA \d+:\d\d$")
+# progressbar2's line: the first update starts the clock, so its rate and ETA are not known yet.
+PROGRESS_LINE = re.compile(r"^update (\d+)/(\d+|\?), loss (\d+\.\d{4}), (\d+|-) examples/s \[[# ]+\] "
+                           r"ETA (\d+:\d\d:\d\d|--:--:--) *$")
 REAL_DATA = "/usr/share/datasets/fashion-mnist"
 
 
@@ -370,7 +372,27 @@ def _truncated_dir(tmp_path):
      r"`--subdivisions` 50 is larger than `--batch-size` 40: each micro-batch needs an example$"),
     (lambda p: ["--batch-size", "100", "--subdivisions", "3"],
      r"`--batch-size` 100 is not divisible by `--subdivisions` 3: .* \(try `--batch-size` 99 or 102\)$"),
-    (lambda p: ["--subdivisions", "many"], r"argument --subdivisions: invalid int value: 'many'$"),
+    (lambda p: ["--subdivisions", "many"], r"`--subdivisions` must be an int >= 1 or auto, got 'many'$"),
+    (lambda p: ["--batch-schedule", "ramp:1,2"],
+     r"`--batch-schedule` 'ramp:1,2': .*; expected ramp:START,INCREMENT,EXAMPLES .* or step:BATCH\[,BATCH@UPDATE"),
+    (lambda p: ["--batch-schedule", "linear:5"], r"`--batch-schedule` 'linear:5': unknown kind 'linear'; expected "),
+    (lambda p: ["--batch-schedule", "step:150,5000@3"],
+     r"`--batch-schedule` 'step:150,5000@3': batch 150 is not a multiple of the micro-batch 100 \(--batch-size 5000 "
+     r"/ --subdivisions 50\)$"),
+    (lambda p: ["--batch-schedule", "step:500,1000@0"], r"'step:500,1000@0': the updates must increase from 1; "),
+    (lambda p: ["--batch-schedule", "step:500@3"], r"'step:500@3': write BATCH first, then BATCH@UPDATE; "),
+    (lambda p: ["--batch-schedule", "ramp:1000,1000,50000", "--batch-size", "4500", "--subdivisions", "45"],
+     r"the ramp must climb from START by whole INCREMENTs to --batch-size 4500; "),
+    (lambda p: ["--batch-schedule", "step:500", "--adaptive-batch"],
+     r"`--batch-schedule` 'step:500' and `--adaptive-batch` both set the batch: choose one$"),
+    (lambda p: ["--adaptive-batch", "--no-subdivisions"],
+     r"`--adaptive-batch` does not combine with --no-subdivisions in this example$"),
+    (lambda p: ["--batch-schedule", "step:500", "--subdivisions", "auto"],
+     r"`--batch-schedule` does not combine with --subdivisions auto in this example$"),
+    (lambda p: ["--subdivisions", "auto", "--no-subdivisions"],
+     r"`--subdivisions` auto does not combine with --no-subdivisions in this example$"),
+    (lambda p: ["--adaptive-batch", "--subdivisions", "1", "--batch-size", "100"],
+     r"`--subdivisions` 1: --adaptive-batch needs at least 2 \(the largest batch's micro-batches\)$"),
     (lambda p: ["--width", "0"], r"`--width` must be an int >= 1, got 0$"),
     (lambda p: ["--towers", "-1"], r"`--towers` must be an int >= 1, got -1$"),
     (lambda p: ["--max-steps", "0"], r"`--max-steps` must be an int >= 1, got 0$"),
@@ -409,12 +431,15 @@ def _epoch_lines(stdout):
 
 
 def _check_quiet_progress(stderr, total):
-    """stderr holds progress lines only (no TensorFlow noise), each with a real loss, rate and ETA."""
+    """stderr holds progress lines only (no TensorFlow noise), each with a real loss; a rate and an ETA
+    from the second update on (none is made up before), and not a line per update (quiet redraws)."""
     lines = stderr.splitlines()
     assert lines and all(PROGRESS_LINE.match(line) for line in lines), stderr[-3000:]
-    for line in lines:
-        done, of, loss, rate = PROGRESS_LINE.match(line).groups()
-        assert 2 <= int(done) <= int(of) == total and 0 < float(loss) < 10 and int(rate) > 0, line
+    for index, line in enumerate(lines):
+        done, of, loss, rate, eta = PROGRESS_LINE.match(line).groups()
+        assert 1 <= int(done) <= total and of in (str(total), "?") and 0 < float(loss) < 10, line
+        assert (rate == "-" and eta == "--:--:--") if int(done) == 1 else (int(rate) > 0 and eta != "--:--:--"), line
+    assert PROGRESS_LINE.match(lines[0]).group(1) == "1" and PROGRESS_LINE.match(lines[-1]).group(1) == str(total)
 
 
 def test_end_to_end_on_small_idx_files(tmp_path):
@@ -447,6 +472,8 @@ def test_end_to_end_on_small_idx_files(tmp_path):
     assert summary["test_accuracy"] == [acc for _, _, _, acc in epochs] == pytest.approx(
         [summary["test_accuracy"][0], summary["final_test_accuracy"]], abs=5e-5)
     assert summary["examples_seen"] == [80, 120] and 0 < summary["peak_rss_mb"] < 1e5
+    assert (summary["batch_per_epoch"], summary["updates_per_epoch"], summary["micro_batch_size"]) == ([40, 40],
+                                                                                                      [2, 1], 10)
     assert 0 < summary["train_seconds"] < summary["seconds"]
     # The same --seed, the same losses: under TF2 behaviour too, where the
     # initialisers ignore the graph seed unless Python's random is seeded.
@@ -503,6 +530,136 @@ def test_end_to_end_on_real_fashion_mnist(tmp_path):
     assert own_lines(proc.stdout)[0] == "data: Fashion-MNIST from %s, 60000 train / 10000 test examples" % REAL_DATA
     assert len(summary["test_accuracy"]) == 1 and 0 <= summary["final_test_accuracy"] <= 1
     assert 0 < summary["test_loss"][0] < 10
+
+
+# ------------------------------------------------------------ elastic batches
+
+ELASTIC = ["--width", "2", "--batch-size", "40", "--subdivisions", "4", "--epochs", "2"]  # Micro-batches of 10.
+
+
+def _elastic_run(tmp_path, flags):
+    """Runs the example on 80 training examples (8 micro-batches per epoch); returns stdout, --json, checkpoint."""
+    write_fashion(tmp_path / "data", num_train=80, num_test=20)
+    proc = run_script(["--data-dir", str(tmp_path / "data")] + ELASTIC + flags + [
+        "--json", str(tmp_path / "run.json"), "--save", str(tmp_path / "model")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_quiet_progress(proc.stderr, json.load(open(str(tmp_path / "run.json")))["updates"])
+    return proc.stdout, json.load(open(str(tmp_path / "run.json"))), _checkpoint_values(str(tmp_path / "model"))
+
+
+def _expected_batches(k_at, runs_per_epoch=8, epochs=2, micro=10):
+    """An independent model of the loop: update s has k_at(s) micro-batches, a window runs on into the next
+    epoch, and the data's end applies what the last window holds. Returns the batches, updates per epoch."""
+    batches, per_epoch, left, k = [], [], 0, 0
+    for _ in range(epochs):
+        before = len(batches)
+        for _ in range(runs_per_epoch):
+            if left == 0:
+                k = left = k_at(len(batches))
+            left -= 1
+            if left == 0:
+                batches.append(k * micro)
+        per_epoch.append(len(batches) - before)
+    if left:
+        batches.append((k - left) * micro)
+        per_epoch[-1] += 1
+    return batches, per_epoch
+
+
+def _ramp_k(step):
+    import gradaccum
+
+    ramp = gradaccum.batch_ramp(10, 10, 60, 40, micro_batch_size=10)  # The library's boundaries, in updates.
+    return ramp.values[sum(1 for boundary in ramp.boundaries if step >= boundary)]
+
+
+@pytest.mark.parametrize("schedule, k_at", [
+    # k = 1, 1, 1, then 3 (its window runs on into epoch 2), then 2 to the end (the last window cut short).
+    ("step:10,30@3,20@5", lambda step: 1 if step < 3 else 3 if step < 5 else 2),
+    ("ramp:10,10,60", _ramp_k),
+])
+def test_batch_schedule_reports_the_batch_of_every_epoch(tmp_path, schedule, k_at):
+    stdout, summary, checkpoint = _elastic_run(tmp_path, ["--batch-schedule", schedule])
+    batches, per_epoch = _expected_batches(k_at)
+    assert len(set(batches)) > 1  # Not vacuous: the batch changed.
+    spans = [batches[sum(per_epoch[:i]):sum(per_epoch[:i + 1])] for i in range(2)]
+    assert summary["batch_per_epoch"] == [int(round(np.mean(span))) for span in spans]
+    assert summary["updates_per_epoch"] == per_epoch and summary["updates"] == len(batches)
+    assert summary["examples_seen"] == [sum(spans[0]), 160] and summary["batch_schedule"] == schedule
+    assert checkpoint["global_step"] == len(batches) and checkpoint["examples_seen"] == 160
+    assert "batch per epoch: %s examples (mean per update); %d updates\n" % (
+        ", ".join(str(b) for b in summary["batch_per_epoch"]), len(batches)) in stdout
+    assert "batch by schedule %s = micro-batches of 10 through GradientAccumulator" % schedule in stdout
+
+
+def test_adaptive_batch_reports_the_batches_its_policy_chose(tmp_path):
+    import _fashion_run
+
+    stdout, summary, checkpoint = _elastic_run(tmp_path, ["--adaptive-batch", "--logdir", str(tmp_path / "runs")])
+    # The accumulator's own record of every applied window's examples (the last, cut short, is not summarised).
+    applied = [batch for _, batch in _events(tmp_path / "runs")["gradaccum/effective_batch"]]
+    applied += [160 - sum(applied)] if sum(applied) < 160 else []
+    per_epoch = summary["updates_per_epoch"]
+    assert len(applied) == summary["updates"] == sum(per_epoch) == checkpoint["global_step"]
+    assert summary["batch_per_epoch"] == [int(round(np.mean(applied[:per_epoch[0]]))),
+                                          int(round(np.mean(applied[per_epoch[0]:])))]
+    assert all(20 <= batch <= 40 for batch in applied[:-1]) and summary["examples_seen"][-1] == 160
+    assert 2 <= checkpoint["adaptive_batch/num_micro_batches"] <= 4
+    factor = _fashion_run.ADAPTIVE_FACTOR
+    assert summary["adaptive_batch"] == ("AdaptiveBatch(micro_batch_size=10, factor=%g, min_micro_batches=2, "
+                                         "max_micro_batches=4, threshold=0.25, base_batch=40, rule='adam')" % factor)
+    assert "batch from the gradient noise scale (gradaccum.AdaptiveBatch, factor %g) = 2..4 micro-batches of 10" \
+        % factor in stdout
+
+
+def test_subdivisions_auto_finds_a_micro_batch_that_runs(tmp_path):
+    write_fashion(tmp_path / "data", num_train=80, num_test=20)
+    proc = run_script(["--data-dir", str(tmp_path / "data"), "--width", "2", "--batch-size", "40", "--subdivisions",
+                       "auto", "--max-steps", "2", "--json", str(tmp_path / "run.json")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Without a memory limit the whole batch runs at once: one micro-batch of 40.
+    assert own_lines(proc.stdout)[1] == ("subdivisions auto: 1 micro-batch(es) of 40 for a batch of 40 (largest "
+                                         "micro-batch that ran: 40)")
+    summary = json.load(open(str(tmp_path / "run.json")))
+    assert (summary["subdivisions"], summary["batch_size"], summary["updates"]) == (1, 40, 2)
+
+
+def test_progress_bar_is_quiet_off_a_terminal_and_redraws_in_place_on_one():
+    import io
+
+    import _fashion_run
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream in (io.StringIO(), Terminal()):
+        bar = _fashion_run.ProgressBar(100000, 1000, stream=stream)
+        for update in range(1000):
+            bar.update(100 * (update + 1), 0.5)
+        bar.redraw()
+        bar.finish()
+        lines = [line.strip() for line in re.split("[\r\n]", stream.getvalue()) if line.strip()]
+        # The first update (no rate yet) and the end: 1,000 updates within 0.5 s draw nothing in between.
+        assert [PROGRESS_LINE.match(line).group(1) for line in lines] == ["1", "1000"], lines
+        assert ("\r" in stream.getvalue()) == stream.isatty() and stream.getvalue().endswith("\n")
+
+
+def test_the_example_reads_as_the_recipe():
+    with open(SCRIPT) as handle:
+        text = handle.read()
+    assert len(text.splitlines()) <= 250
+    # Top to bottom: data, model, the accumulator, the micro-batch loop, evaluation.
+    steps = ["run.prepare(", "def build_logits(", "gradaccum.GradientAccumulator(", "def train_epoch(",
+             "def evaluate("]
+    assert [text.index(step) for step in steps] == sorted(text.index(step) for step in steps)
+    sources = {}
+    for name in os.listdir(EXAMPLES):
+        if name.endswith(".py"):
+            with open(os.path.join(EXAMPLES, name)) as handle:
+                sources[name] = handle.read()
+    assert [name for name, source in sources.items() if re.search(r"class Progress\(|\\r%s|\\033\[K", source)] == []
+    assert "import progressbar" in sources["_fashion_run.py"]
 
 
 # ------------------------------------------------------------ the numbers
@@ -695,25 +852,35 @@ def test_compare_batches_same_examples_and_replot(tmp_path):
     args, rest = compare_batches.parse_args(["--epochs", "3", "--bn-momentum", "0.5", "--width", "4",
                                              "--out-dir", str(tmp_path)])
     assert rest == ["--width", "4"]
-    flags = {name: compare_batches.run_flags(name, args, rest) for name in ("subdivided", "full", "small")}
+    names = ("subdivided", "full", "small", "adaptive")
+    flags = {name: compare_batches.run_flags(name, args, rest) for name in names}
     assert flags["subdivided"] == ["--batch-size", "5000", "--subdivisions", "50", "--epochs", "3",
                                    "--warmup-updates", "10", "--bn-momentum", "0.5", "--width", "4"]
     assert flags["full"][:3] == ["--batch-size", "5000", "--no-subdivisions"]
     assert flags["small"] == ["--batch-size", "100", "--no-subdivisions", "--epochs", "3", "--warmup-updates",
                               "500", "--learning-rate", "0.001", "--bn-momentum", "0.9862", "--width", "4"]
-    for index, name in enumerate(("subdivided", "full", "small")):
+    # The adaptive run: the 5,000 runs' flags and learning rate, nothing tuned for the batch it picks.
+    assert flags["adaptive"] == ["--batch-size", "5000", "--subdivisions", "50", "--adaptive-batch", "--epochs", "3",
+                                 "--warmup-updates", "10", "--bn-momentum", "0.5", "--width", "4"]
+    for index, name in enumerate(names):
         summary = {"updates": 36 * (50 if name == "small" else 1), "test_accuracy": [0.8, 0.85, 0.9 - index / 100.0],
                    "test_loss": [0.5, 0.4, 0.3], "examples_seen": [60000, 120000, 180000], "seconds": 100 + index,
                    "cpu_seconds": 190.0, "peak_rss_mb": 900.0 + 1000 * (name == "full"),
-                   "source": "/usr/share/datasets/fashion-mnist"}
+                   "source": "/usr/share/datasets/fashion-mnist", "batch_size": 100 if name == "small" else 5000}
+        if name == "adaptive":
+            summary.update(updates=500, batch_per_epoch=[200, 300, 600], updates_per_epoch=[300, 100, 100])
         with open(str(tmp_path / ("compare_%s.json" % name)), "w") as handle:
             json.dump(summary, handle)
+    assert compare_batches.updates(summary) == [300, 400, 500]
+    assert compare_batches.updates(dict(summary, updates_per_epoch=None)) == [12, 24, 36]
     compare_batches.main(["--replot", "--out-dir", str(tmp_path)])
     assert (tmp_path / "compare_batches.png").stat().st_size > 10000
     assert (tmp_path / "compare_batches.md").read_text().splitlines()[2:] == [
-        "| 5,000 in 50 subdivisions of 100 | 36 | 0.8500, 0.9000 | 0.3000 | 100 s | 190 s | 900 MB |",
-        "| 5,000 at once | 36 | 0.8500, 0.8900 | 0.3000 | 101 s | 190 s | 1900 MB |",
-        "| 100, no accumulation | 1800 | 0.8500, 0.8800 | 0.3000 | 102 s | 190 s | 900 MB |",
+        "| 5,000 in 50 subdivisions of 100 | 5000 | 36 | 0.8500, 0.9000 | 0.3000 | 100 s | 190 s | 900 MB |",
+        "| 5,000 at once | 5000 | 36 | 0.8500, 0.8900 | 0.3000 | 101 s | 190 s | 1900 MB |",
+        "| 100, no accumulation | 100 | 1800 | 0.8500, 0.8800 | 0.3000 | 102 s | 190 s | 900 MB |",
+        "| adaptive: 2 to 50 micro-batches of 100 by the noise scale | 200, 600 | 500 | 0.8500, 0.8700 | 0.3000 "
+        "| 103 s | 190 s | 900 MB |",
     ]
     os.remove(str(tmp_path / "compare_full.json"))
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "compare_batches.py"), "--replot", "--out-dir",
@@ -776,3 +943,44 @@ def test_two_collective_workers_train_the_variables_of_one_process(tmp_path):
         np.testing.assert_allclose(ours[name], reference[name], rtol=1e-5, atol=1e-7, err_msg=name)
     # Not vacuous: training moved every kernel away from where it started.
     assert not np.allclose(ours["model/conv1/kernel/Adam"], 0)
+
+
+# ------------------------------------------------------- bert_style_finetune.py
+
+BERT_SCRIPT = os.path.join(EXAMPLES, "bert_style_finetune.py")
+
+
+def run_bert_example(args, cwd, timeout=240):
+    return subprocess.run([sys.executable, BERT_SCRIPT] + list(args), cwd=str(cwd), timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+
+
+def test_bert_style_finetune_counts_windows_and_follows_the_schedule(tmp_path):
+    """global_step is the number of applied windows (no hand-written increment), so the
+    warm-up and the decay follow updates, not micro-batches; the loss comes down."""
+    proc = run_bert_example(["--train-steps", "12", "--micro-batches", "4", "--micro-batch", "16",
+                             "--warmup-proportion", "0.25", "--learning-rate", "5e-3", "--hidden", "16",
+                             "--json", str(tmp_path / "run.json")], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert re.match(r"^data: scikit-learn's bundled digits from \S+digits\.csv\.gz: 1797 images of 8x8, "
+                    r"1437 to train, 360 to test$", lines[0]), lines[0]
+    assert lines[-1].startswith("global_step 12 after 48 micro-batches (one per applied window); test accuracy ")
+    figures = json.load(open(str(tmp_path / "run.json")))
+    assert figures["global_step"] == figures["updates"] == 12 and figures["micro_batches_run"] == 48
+    # BERT's schedule on the step before each update: warm-up over 3 updates, then linear decay to 0 at 12.
+    expected = [5e-3 * step / 3 if step < 3 else 5e-3 * (1 - step / 12.0) for step in range(12)]
+    np.testing.assert_allclose(figures["learning_rates"], expected, rtol=1e-6, atol=1e-9)
+    assert np.mean(figures["losses"][-3:]) < np.mean(figures["losses"][:3]) - 0.05, figures["losses"]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--warmup-proportion", "1.5", "`--warmup-proportion` must be in [0, 1], got 1.5"),
+    ("--micro-batches", "0", "argument --micro-batches: `--micro-batches` must be an int >= 1, got '0'"),
+    ("--learning-rate", "0", "`--learning-rate` must be > 0, got 0.0"),
+])
+def test_bert_style_finetune_bad_flags_are_one_line(tmp_path, flag, value, message):
+    proc = run_bert_example([flag, value], tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["bert_style_finetune.py: error: " + message]
