@@ -166,7 +166,10 @@ def docs_table(summary):
             row("statistics on / off, 10M MLP", "statistics_on_over_off_time_mlp10m"),
             row("window-statistics BN / TF BN under the accumulator, CNN", "window_bn_over_tf_bn_time"),
             row("2 towers: synchronized BN / per-tower BN, time per example", "towers2_sync_bn_over_per_tower_bn_time"),
-            row("4 towers / one device (virtual CPUs), time per example", "towers4_over_one_device_time")]
+            row("4 towers / one device (virtual CPUs), time per example", "towers4_over_one_device_time"),
+            row("`num_micro_batches` a constant tensor / the same int, CNN", "tensor_k_over_int_k_time_cnn", "<= 1.01"),
+            row("`num_micro_batches` a constant tensor / the same int, 10M MLP", "tensor_k_over_int_k_time_mlp10m",
+                "<= 1.01")]
     lines = harness.markdown_table(["what", "measured", "target"], rows) + [""]
     peers = [p for p in summary.get("peers", []) if p["name"] not in NOT_TRAINING]
     cells = [[p["model"], p["label"], "skipped: %s" % p["skipped"] if p.get("skipped") and p["time_ratio"] is None
