@@ -135,7 +135,7 @@ def child(args):
     import numpy as np
     from gradaccum import cluster
 
-    config = cluster.load_tf_config()
+    config = cluster.from_environment()
     server = None
     if config is not None:
         server = cluster.start_server(config, cluster.collective_session_config(config))

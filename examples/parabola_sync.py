@@ -366,7 +366,7 @@ def main(argv=None):
     """Runs one process of the job; returns its exit status."""
     args = parse_args(argv)
     try:
-        config = cluster.load_tf_config()
+        config = cluster.from_environment()
         if _largest_k(args) > NUM_POINTS:
             raise ValueError("`--accumulate` must be <= %d (one point per micro-batch), got %d"
                              % (NUM_POINTS, _largest_k(args)))

@@ -1,13 +1,19 @@
-"""The cluster a multi-process job runs on: ``TF_CONFIG``, servers, liveness.
+"""The cluster a multi-process job runs on: ``TF_CONFIG``, Slurm, servers, liveness.
 
-Every process of a job reads the standard ``TF_CONFIG`` JSON, for example::
+Every process of a job finds its place with :func:`from_environment`: the
+standard ``TF_CONFIG`` JSON when it is set, for example::
 
     {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"], "ps": ["10.0.0.1:2223"]},
      "task": {"type": "worker", "index": 0}}
 
-and starts its own ``tf.compat.v1.train.Server`` (:func:`start_server`). Two
-engines then train on that cluster, each in its own module; their public names
-are re-exported here, where users look for them:
+as written by hand, by ``python -m gradaccum.launch``, by Kubeflow's TFJob
+(``"environment": "cloud"``, hosts such as ``job-worker-0.ns.svc:2222``, an
+``evaluator`` task outside ``cluster``) or by Google's training service
+(``"master"`` for the chief); else, under Slurm's ``srun``, the ``SLURM_*``
+variables (:func:`from_environment` says how). Then it starts its own
+``tf.compat.v1.train.Server`` (:func:`start_server`). Two engines train on
+that cluster, each in its own module; their public names are re-exported
+here, where users look for them:
 
 * :mod:`gradaccum.collective`: between-graph training on TensorFlow's
   collective ops. Every worker builds the same graph, reads its own data and
@@ -19,10 +25,10 @@ are re-exported here, where users look for them:
   :func:`session_config`); the other tasks :func:`serve` until the chief's
   :class:`StopSignal`.
 
-:class:`Heartbeat` bounds the wait for a peer that died or stopped answering
-(SIGKILL, SIGSTOP, a lost host), for both engines: a session blocked in an
-all-reduce or a remote step cannot be interrupted from Python, so a peer
-silent for ``timeout_seconds`` ends this process with one line.
+:class:`Heartbeat` (from :mod:`gradaccum.heartbeat`) bounds the wait for a
+peer that died or stopped answering, for both engines. An evaluator task
+(:attr:`ClusterConfig.is_evaluator`) is no part of training: no engine, no
+broadcast and no Heartbeat waits for it, and it runs no server.
 
 This module creates no variables and adds nothing to graph collections; a
 :class:`Heartbeat` builds its probe ops in graphs of its own.
@@ -33,21 +39,34 @@ import json
 import os
 import re
 import socket
-import sys
-import threading
 import time
 
+from gradaccum import _slurm
+from gradaccum import _tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum._tfconfig import TF_CONFIG_VAR  # noqa: F401
+from gradaccum._tfconfig import ClusterError  # noqa: F401
+from gradaccum.heartbeat import DEFAULT_HEARTBEAT_SECONDS  # noqa: F401
+from gradaccum.heartbeat import HEARTBEAT_EXIT_STATUS  # noqa: F401
+from gradaccum.heartbeat import Heartbeat  # noqa: F401
+# The engines' names, where users look for them.
+from gradaccum.collective import AllReduceOnApply  # noqa: F401
+from gradaccum.collective import CollectiveAllReduce  # noqa: F401
+from gradaccum.collective import broadcast_variables  # noqa: F401
+from gradaccum.collective import collective_session_config  # noqa: F401
+from gradaccum.collective import synchronized_batch_norm  # noqa: F401
+from gradaccum.ingraph import StopSignal  # noqa: F401
+from gradaccum.ingraph import serve  # noqa: F401
+from gradaccum.ingraph import session_config  # noqa: F401
+from gradaccum.ingraph import variables_device  # noqa: F401
+from gradaccum.ingraph import worker_devices  # noqa: F401
 
-TF_CONFIG_VAR = "TF_CONFIG"
 TASK_TYPES = ("chief", "worker", "ps")
-HEARTBEAT_EXIT_STATUS = 75
-DEFAULT_HEARTBEAT_SECONDS = 30.0
-
-
-class ClusterError(RuntimeError):
-    """A cluster task cannot start or lost its peers; the message is one line."""
+EVALUATOR = "evaluator"
+# Google's training service names the chief "master"; it is read as "chief".
+_ALIASES = {"master": "chief"}
+_KNOWN = "chief, worker, ps, evaluator; master is read as chief"
 
 
 def _config_error(what, value):
@@ -55,12 +74,13 @@ def _config_error(what, value):
 
 
 class ClusterConfig(collections.namedtuple("ClusterConfig", ["cluster", "task_type", "task_index"])):
-    """This process's place in the cluster, as read from ``TF_CONFIG``.
+    """This process's place in the cluster, from :func:`from_environment` or :func:`parse_tf_config`.
 
     Attributes:
       cluster: dict from job name (``"chief"``, ``"worker"``, ``"ps"``) to the
-        list of ``"host:port"`` addresses of its tasks.
-      task_type: this process's job name.
+        list of ``"host:port"`` addresses of its tasks: the training cluster,
+        never an evaluator.
+      task_type: this process's job name, or ``"evaluator"``.
       task_index: this process's index in its job.
 
     Example:
@@ -79,8 +99,8 @@ class ClusterConfig(collections.namedtuple("ClusterConfig", ["cluster", "task_ty
 
     @property
     def address(self):
-        """The ``"host:port"`` this process's server listens on."""
-        return self.cluster[self.task_type][self.task_index]
+        """The ``"host:port"`` this process's server is reached at; None for an evaluator (no server)."""
+        return None if self.is_evaluator else self.cluster[self.task_type][self.task_index]
 
     @property
     def chief(self):
@@ -93,9 +113,14 @@ class ClusterConfig(collections.namedtuple("ClusterConfig", ["cluster", "task_ty
         return (self.task_type, self.task_index) == self.chief
 
     @property
+    def is_evaluator(self):
+        """True in an evaluator: outside the training cluster, waited for by no task."""
+        return self.task_type == EVALUATOR
+
+    @property
     def compute_tasks(self):
-        """``(job, index)`` of every task that computes a tower, chief first."""
-        return [(job, i) for job in ("chief", "worker") for i in range(len(self.cluster.get(job, ())))]
+        """``(job, index)`` of every task that computes a tower, chief first (no ps, no evaluator)."""
+        return _tfconfig.tasks(self.cluster, ("chief", "worker"))
 
     @property
     def num_towers(self):
@@ -109,36 +134,45 @@ def _check_address(job, address):
         raise _config_error("cluster job %r must list \"host:port\" strings with a port in 1..65535" % job, address)
 
 
-def _check_cluster(cluster):
+def _training_cluster(cluster):
+    """The cluster without its evaluator job, ``master`` renamed ``chief``, checked."""
     if not isinstance(cluster, dict) or not cluster:
         raise _config_error("`cluster` must be a non-empty object of job name -> address list", cluster)
+    if "chief" in cluster and "master" in cluster:
+        raise _config_error("cluster names its chief twice, as \"chief\" and \"master\"", sorted(cluster))
+    cluster = {_ALIASES.get(job, job): addresses for job, addresses in cluster.items() if job != EVALUATOR}
     for job, addresses in sorted(cluster.items()):
         if job not in TASK_TYPES:
-            raise _config_error("cluster has unknown task type %r (known: %s)" % (job, ", ".join(TASK_TYPES)), job)
+            raise _config_error("cluster has unknown task type %r (known: %s)" % (job, _KNOWN), job)
         if not isinstance(addresses, list) or not addresses:
             raise _config_error("cluster job %r must be a non-empty list of addresses" % job, addresses)
         for address in addresses:
             _check_address(job, address)
     if "chief" not in cluster and "worker" not in cluster:
         raise _config_error("cluster needs a \"worker\" or \"chief\" job", sorted(cluster))
-    if len(cluster.get("chief", ())) > 1:
+    if len(cluster["chief"] if "chief" in cluster else ()) > 1:
         raise _config_error("cluster job \"chief\" must have exactly one address", cluster["chief"])
     everything = [a for job in sorted(cluster) for a in cluster[job]]
     if len(set(everything)) != len(everything):
         raise _config_error("cluster lists an address twice", everything)
+    return {job: list(addresses) for job, addresses in cluster.items()}
 
 
 def _check_task(task, cluster):
     if not isinstance(task, dict):
         raise _config_error("`task` must be an object with \"type\" and \"index\"", task)
-    task_type, index = task.get("type"), task.get("index", 0)
-    if task_type not in TASK_TYPES:
-        raise _config_error("task has unknown task type (known: %s)" % ", ".join(TASK_TYPES), task_type)
+    task_type, index = _ALIASES.get(task.get("type"), task.get("type")), task.get("index", 0)
+    if task_type not in TASK_TYPES + (EVALUATOR,):
+        raise _config_error("task has unknown task type (known: %s)" % _KNOWN, task.get("type"))
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise _config_error("task index must be an int", index)
+    if task_type == EVALUATOR:  # Outside the training cluster: any index of its own job.
+        if index < 0:
+            raise _config_error("task index must be >= 0", index)
+        return task_type, index
     if task_type not in cluster:
         raise _config_error("task type %r is not a job of the cluster (jobs: %s)"
                             % (task_type, ", ".join(sorted(cluster))), task_type)
-    if not isinstance(index, int) or isinstance(index, bool):
-        raise _config_error("task index must be an int", index)
     if not 0 <= index < len(cluster[task_type]):
         raise _config_error("task index is outside the cluster: job %r has tasks 0..%d"
                             % (task_type, len(cluster[task_type]) - 1), index)
@@ -147,6 +181,11 @@ def _check_task(task, cluster):
 
 def parse_tf_config(text):
     """Parses and validates a ``TF_CONFIG`` JSON string.
+
+    Accepts what Kubeflow's TFJob and Google's training service write: an
+    ``"environment"`` key (ignored), ``"master"`` for the chief (read as
+    ``"chief"``), an ``"evaluator"`` task, usually left out of ``"cluster"``
+    (an ``"evaluator"`` job in it is dropped), and hosts of any DNS form.
 
     Args:
       text: the JSON text, with a ``"cluster"`` object (job name -> list of
@@ -158,7 +197,8 @@ def parse_tf_config(text):
 
     Raises:
       ValueError: one line naming what is wrong: text that is not JSON, an
-        unknown task type, a task index outside the cluster, a bad address.
+        unknown task type, a task index outside the cluster, a bad address,
+        a ``"sparseCluster"`` (TFJob's dynamic workers).
 
     Example:
       >>> parse_tf_config('{"cluster": {"worker": ["h1:2222", "h2:2222"]},'
@@ -173,10 +213,13 @@ def parse_tf_config(text):
         raise _config_error("is not valid JSON (%s)" % str(exc).splitlines()[0], text) from None
     if not isinstance(data, dict):
         raise _config_error("must be a JSON object with \"cluster\" and \"task\"", data)
-    cluster = data.get("cluster")
-    _check_cluster(cluster)
+    if "sparseCluster" in data:
+        raise _config_error("has \"sparseCluster\" (TFJob's dynamic workers), but synchronous training needs "
+                            "every task to know all others: leave `enableDynamicWorker` unset in the TFJob, "
+                            "so that it writes \"cluster\"", sorted(data))
+    cluster = _training_cluster(data.get("cluster"))
     task_type, index = _check_task(data.get("task"), cluster)
-    return ClusterConfig({job: list(cluster[job]) for job in cluster}, task_type, index)
+    return ClusterConfig(cluster, task_type, index)
 
 
 def load_tf_config(environ=None):
@@ -200,6 +243,46 @@ def load_tf_config(environ=None):
     return parse_tf_config(text) if text.strip() else None
 
 
+def from_environment(environ=None):
+    """This process's cluster, from ``TF_CONFIG`` or else from Slurm's ``srun``.
+
+    The one call that finds the cluster, wherever the job was launched:
+
+    * ``TF_CONFIG`` set (by hand, ``gradaccum.launch``, Kubeflow's TFJob, a
+      cloud service): as :func:`load_tf_config`.
+    * Else ``SLURM_PROCID`` and ``SLURM_NTASKS`` set (a task started by
+      ``srun``): tasks ``worker:0`` to ``worker:N-1`` in ``SLURM_PROCID``
+      order, on the hosts of ``scontrol show hostnames $SLURM_STEP_NODELIST``
+      with ``SLURM_STEP_TASKS_PER_NODE`` tasks each (srun's default block
+      layout), task ``SLURM_LOCALID`` of a node at port
+      ``GRADACCUM_PORT_BASE + SLURM_LOCALID`` (base 8888 by default).
+      A step of one task is a single-process run: None.
+    * Else None: a single-process run.
+
+    Args:
+      environ: mapping to read, ``os.environ`` by default.
+
+    Returns:
+      A :class:`ClusterConfig`, or None for a single-process run.
+
+    Raises:
+      ValueError: one line, for a bad ``TF_CONFIG`` (as
+        :func:`parse_tf_config`), or Slurm variables that are malformed or
+        disagree, naming the variable and its value.
+      ClusterError: one line when ``scontrol`` is missing or fails.
+
+    Example:
+      >>> config = from_environment()
+      >>> print("single process" if config is None else config.task_name)
+    """
+    environ = os.environ if environ is None else environ
+    config = load_tf_config(environ)
+    if config is not None:
+        return config
+    found = _slurm.slurm_cluster(environ)
+    return None if found is None else ClusterConfig({"worker": found[0]}, "worker", found[1])
+
+
 def make_tf_config(cluster, task_type, task_index):
     """Builds the ``TF_CONFIG`` JSON for one task of ``cluster``.
 
@@ -218,7 +301,7 @@ def make_tf_config(cluster, task_type, task_index):
       >>> make_tf_config({"worker": ["127.0.0.1:2222"]}, "worker", 0)
       '{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}'
     """
-    text = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": task_index}})
+    text = _tfconfig.tf_config_json(cluster, task_type, task_index)
     parse_tf_config(text)
     return text
 
@@ -269,12 +352,16 @@ def start_server(config, server_config=None):
       The started server; sessions connect with ``server.target``.
 
     Raises:
+      ValueError: for an evaluator's ``config`` (it takes no part in training).
       ClusterError: one line when the port is in use or the server fails to start.
 
     Example:
       >>> server = start_server(load_tf_config())
       >>> sess = tf.compat.v1.Session(server.target, config=session_config(config))
     """
+    if config.is_evaluator:
+        raise ValueError("`config` must be a training task's: an evaluator runs no server, got %s"
+                         % config.task_name)
     check_port_free(config)
     spec = tf.train.ClusterSpec(config.cluster)
     try:
@@ -283,15 +370,6 @@ def start_server(config, server_config=None):
     except tf.errors.OpError as exc:
         raise ClusterError("cannot start %s at %r: %s" % (config.task_name, config.address,
                                                          exc.message.splitlines()[0])) from None
-
-
-def _reachable(address, timeout_seconds=1.0):
-    host, _, port = address.rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_seconds).close()
-        return True
-    except OSError:
-        return False
 
 
 def wait_for_tasks(config, timeout_seconds=300.0, poll_seconds=0.5):
@@ -312,9 +390,9 @@ def wait_for_tasks(config, timeout_seconds=300.0, poll_seconds=0.5):
       >>> wait_for_tasks(config, timeout_seconds=60)
     """
     deadline = time.time() + timeout_seconds
-    pending = [(job, i) for job in sorted(config.cluster) for i in range(len(config.cluster[job]))]
+    pending = _tfconfig.tasks(config.cluster)
     while True:
-        pending = [t for t in pending if not _reachable(config.cluster[t[0]][t[1]])]
+        pending = [t for t in pending if not _tfconfig.reachable(config.cluster[t[0]][t[1]])]
         if not pending:
             return
         if time.time() >= deadline:
@@ -357,167 +435,3 @@ def describe_op_error(error):
                  next((line for line in lines if line), ""))
     tasks = sorted(set("%s:%s" % found for found in re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", message)))
     return "%s: %s%s" % (type(error).__name__, cause[:300], " (tasks named: %s)" % ", ".join(tasks) if tasks else "")
-
-
-def _task_address(config, task):
-    return config.cluster[task[0]][task[1]]
-
-
-def _exit_with_message(message):
-    """The default failure action: one line on stderr, then exit at once.
-
-    The main thread may be blocked inside ``session.run`` (an all-reduce, a
-    remote step), which neither a Python exception nor ``Session.close`` can
-    interrupt (both tried on TF 1.15 and 2.21): only leaving the process does.
-    """
-    sys.stderr.write("gradaccum: %s\n" % message)
-    sys.stderr.flush()
-    os._exit(HEARTBEAT_EXIT_STATUS)
-
-
-class Heartbeat(object):
-    """Fails this process within a bound when a peer task stops answering.
-
-    One thread per peer runs a tiny op (``tf.timestamp``) on that peer every
-    ``interval_seconds``, in a session of its own on this task's server; a
-    checker thread calls ``on_failure`` with one line when a peer has not
-    answered for ``timeout_seconds`` (a killed peer, a stopped one, a lost
-    host). Its last answer came before it went silent, so this process ends
-    at most ``timeout_seconds + 1`` s after the peer stopped (31 s by
-    default), even inside an all-reduce. A slow peer that still answers is
-    not a failure. Before a peer's first answer, it has
-    ``startup_timeout_seconds`` to come up.
-
-    Args:
-      server: this task's server from :func:`start_server`.
-      config: a :class:`ClusterConfig`.
-      peers: ``(job, index)`` pairs to watch; default every other task.
-      timeout_seconds: how long a peer may stay silent, a number > 0
-        (default 30).
-      interval_seconds: pause between probes; default ``timeout_seconds / 6``
-        clipped to [0.5, 10].
-      startup_timeout_seconds: how long a peer may take to answer first.
-      on_failure: called once with the message; default: print
-        ``gradaccum: <message>`` on stderr and ``os._exit(75)``.
-
-    Attributes:
-      started: ``time.time()`` of :meth:`start`, or None before it.
-      failure: None, or the one-line message passed to ``on_failure``.
-
-    Raises:
-      TypeError: for a timeout that is not a number.
-      ValueError: for a bad timeout or a peer that is not a task of the cluster.
-
-    Example:
-      >>> with cluster.Heartbeat(server, config, timeout_seconds=30):
-      ...     train(sess)
-    """
-
-    def __init__(self, server, config, peers=None, timeout_seconds=DEFAULT_HEARTBEAT_SECONDS, interval_seconds=None,
-                 startup_timeout_seconds=300.0, on_failure=None):
-        self._timeout = _validate.check_seconds(timeout_seconds, "timeout_seconds")
-        self._startup = _validate.check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
-        interval = min(max(self._timeout / 6.0, 0.5), 10.0) if interval_seconds is None else interval_seconds
-        self._interval = _validate.check_seconds(interval, "interval_seconds")
-        everyone = [(job, i) for job in sorted(config.cluster) for i in range(len(config.cluster[job]))]
-        me = (config.task_type, config.task_index)
-        self._peers = [t for t in everyone if t != me] if peers is None else [tuple(p) for p in peers]
-        for peer in self._peers:
-            if peer not in everyone or peer == me:
-                raise ValueError("`peers` must name other tasks of the cluster as (job, index), got %s"
-                                 % _validate.describe(peer))
-        self._server, self._config = server, config
-        self._on_failure = _exit_with_message if on_failure is None else on_failure
-        self._answered = {}
-        self._errors = {}
-        self._stop = threading.Event()
-        self._threads = []
-        self.failure = None
-        self.started = None
-
-    def start(self):
-        """Starts the probe and checker threads (daemons); sets ``started``; returns ``self``."""
-        self.started = time.time()
-        targets = [(self._probe, (peer,)) for peer in self._peers] + [(self._check, ())]
-        for target, args in targets:
-            thread = threading.Thread(target=target, args=args, name="gradaccum-heartbeat")
-            thread.daemon = True
-            thread.start()
-            self._threads.append(thread)
-        return self
-
-    def stop(self, wait_seconds=5.0):
-        """Stops watching; waits up to ``wait_seconds`` for the threads to end.
-
-        Threads still inside TensorFlow when the interpreter exits abort it
-        (``FATAL: exception not rethrown``), so a normal end waits for them; a
-        probe stuck on a silent peer is abandoned after ``wait_seconds``.
-        """
-        self._stop.set()
-        deadline = time.time() + wait_seconds
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.time()))
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc_info):
-        self.stop()
-
-    def _probe(self, peer):
-        job, index = peer
-        proto = tf.compat.v1.ConfigProto(device_filters=[
-            "/job:%s/task:%d" % (self._config.task_type, self._config.task_index), "/job:%s/task:%d" % peer])
-        options = tf.compat.v1.RunOptions(timeout_in_ms=int(self._timeout * 1000))
-        with tf.Graph().as_default() as graph:
-            with tf.device("/job:%s/replica:0/task:%d/cpu:0" % (job, index)):
-                stamp = tf.timestamp()  # Stateful: never folded away, so it runs on the peer.
-        session = None
-        try:
-            while not self._stop.is_set():
-                try:
-                    session = session or tf.compat.v1.Session(self._server.target, graph=graph, config=proto)
-                    session.run(stamp, options=options)
-                    self._answered[peer] = time.time()
-                except tf.errors.OpError as exc:
-                    self._errors[peer] = "%s: %s" % (type(exc).__name__, exc.message.splitlines()[0][:160])
-                self._stop.wait(self._interval)
-        finally:
-            if session is not None:
-                session.close()
-
-    def _silent_peer(self, now):
-        for peer in self._peers:
-            last = self._answered.get(peer)
-            if last is None and now - self.started > self._startup:
-                return peer, "did not answer within the startup timeout of %g s" % self._startup
-            if last is not None and now - last > self._timeout:
-                return peer, "has not answered for %.0f s (heartbeat timeout %g s)" % (now - last, self._timeout)
-        return None, None
-
-    def _check(self):
-        while not self._stop.wait(min(self._interval, 1.0)):
-            peer, what = self._silent_peer(time.time())
-            if peer is not None:
-                error = self._errors.get(peer)
-                self.failure = "%s: %s:%d at %s %s%s; stopping" % (
-                    self._config.task_name, peer[0], peer[1], _task_address(self._config, peer), what,
-                    " (last error: %s)" % error if error else "")
-                self._stop.set()
-                self._on_failure(self.failure)
-                return
-
-
-# The engines' names, where users look for them. Imported last: ingraph
-# imports this module.
-from gradaccum.collective import AllReduceOnApply  # noqa: E402,F401
-from gradaccum.collective import CollectiveAllReduce  # noqa: E402,F401
-from gradaccum.collective import broadcast_variables  # noqa: E402,F401
-from gradaccum.collective import collective_session_config  # noqa: E402,F401
-from gradaccum.collective import synchronized_batch_norm  # noqa: E402,F401
-from gradaccum.ingraph import StopSignal  # noqa: E402,F401
-from gradaccum.ingraph import serve  # noqa: E402,F401
-from gradaccum.ingraph import session_config  # noqa: E402,F401
-from gradaccum.ingraph import variables_device  # noqa: E402,F401
-from gradaccum.ingraph import worker_devices  # noqa: E402,F401

@@ -8,7 +8,9 @@ other tasks only serve the graph pieces the chief's session places on them,
 in :func:`serve`, until the chief sends them the stop signal
 (:class:`StopSignal`), their chief disappears, or it stops answering for
 ``heartbeat_timeout_seconds``. The chief bounds its own wait for a silent
-task with a :class:`gradaccum.cluster.Heartbeat` around its session.
+task with a :class:`gradaccum.cluster.Heartbeat` around its session. An
+evaluator task is not part of that graph: no tower, no stop signal, and no
+task waits for it.
 
 All names here are also importable from :mod:`gradaccum.cluster`.
 
@@ -20,9 +22,11 @@ manager.
 import re
 import time
 
+from gradaccum import _tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.cluster import DEFAULT_HEARTBEAT_SECONDS, ClusterError, Heartbeat, _reachable
+from gradaccum._tfconfig import ClusterError
+from gradaccum.heartbeat import DEFAULT_HEARTBEAT_SECONDS, Heartbeat
 
 _DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 
@@ -123,8 +127,7 @@ def _stop_queue(job, index):
 
 
 def _non_chief_tasks(config):
-    return [(job, i) for job in sorted(config.cluster) for i in range(len(config.cluster[job]))
-            if (job, i) != config.chief]
+    return [task for task in _tfconfig.tasks(config.cluster) if task != config.chief]
 
 
 class StopSignal(object):
@@ -175,7 +178,7 @@ class StopSignal(object):
 def _watch_chief(config, chief_seen, deadline):
     """Returns the new ``chief_seen``; raises when the chief is gone or late."""
     address = config.cluster[config.chief[0]][config.chief[1]]
-    if _reachable(address):
+    if _tfconfig.reachable(address):
         return True
     chief_name = "%s:%d" % config.chief
     if chief_seen:
@@ -206,7 +209,8 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
 
     Raises:
       TypeError: for a timeout that is not a number.
-      ValueError: when ``config`` is the chief's, or for a timeout <= 0.
+      ValueError: when ``config`` is the chief's or an evaluator's, or for a
+        timeout <= 0.
       ClusterError: one line when the chief went away without the stop signal,
         never came up, or stopped answering.
 
@@ -214,8 +218,9 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
       >>> if not config.is_chief:
       ...     serve(start_server(config), config)
     """
-    if config.is_chief:
-        raise ValueError("`config` must be a non-chief task's, got the chief %s" % config.task_name)
+    if config.is_chief or config.is_evaluator:
+        raise ValueError("`config` must be a non-chief task's, got the %s %s"
+                         % ("chief" if config.is_chief else "evaluator", config.task_name))
     # Checked here, under their own names: the Heartbeat below gets their sum.
     startup_timeout_seconds = _validate.check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
     heartbeat_timeout_seconds = _validate.check_seconds(heartbeat_timeout_seconds, "heartbeat_timeout_seconds")

@@ -20,12 +20,18 @@ via ``atexit``), and the launcher returns only once every process of those
 groups has ended (a task's own children included); on Linux a task also gets
 SIGKILL when the launcher itself is killed. Every wait is bounded.
 
+TensorFlow's gRPC server listens on every interface of the machine
+(``0.0.0.0``), whatever host ``TF_CONFIG`` names, and has no option to
+listen on one address only (TF 1.15 to 2.x). So when the machine has a
+network interface other than loopback the launcher says once, on stderr,
+that the tasks' ports are open there and how to close them;
+``--no-port-warning`` leaves that line out.
+
 This module does not use TensorFlow and creates no variables or collections.
 """
 import argparse
 import atexit
 import ctypes
-import json
 import os
 import re
 import signal
@@ -35,9 +41,12 @@ import sys
 import threading
 import time
 
+from gradaccum import _tfconfig
+
 _PREFIX = "gradaccum.launch: "
 _USAGE = "python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] [--shutdown-timeout S] " \
-         "[--verbose] -- COMMAND [ARG ...]"
+         "[--verbose] [--no-port-warning] -- COMMAND [ARG ...]"
+_IFF_UP, _IFF_LOOPBACK = 0x1, 0x8  # Linux's interface flags, as /sys/class/net/<name>/flags shows them.
 # TensorFlow's log noise: C++ log lines (absl and TF 1.15 formats; fatal ones are
 # kept), the absl notice, Python-side TF and absl warnings, deprecation warnings.
 _NOISE = re.compile(
@@ -126,13 +135,70 @@ def tf_config_for(cluster, job, index):
       index: the task's index in its job.
 
     Returns:
-      A JSON string.
+      A JSON string, as :func:`gradaccum.cluster.make_tf_config` builds it.
 
     Example:
       >>> tf_config_for({"worker": ["127.0.0.1:4001"]}, "worker", 0)
       '{"cluster": {"worker": ["127.0.0.1:4001"]}, "task": {"type": "worker", "index": 0}}'
     """
-    return json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+    return _tfconfig.tf_config_json(cluster, job, index)
+
+
+def _interface_flags(name):
+    try:
+        with open("/sys/class/net/%s/flags" % name) as handle:
+            return int(handle.read().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
+def non_loopback_interfaces():
+    """Names of this machine's network interfaces that are up and not loopback.
+
+    Read from ``/sys/class/net`` on Linux; elsewhere every interface not
+    named ``lo*`` counts.
+
+    Returns:
+      A sorted list of names, such as ``["eth0"]``; empty on a machine that
+      only has loopback.
+
+    Example:
+      >>> non_loopback_interfaces()
+      ['eth0']
+    """
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return []
+    found = []
+    for name in names:
+        flags = _interface_flags(name)
+        if (not name.startswith("lo")) if flags is None else (flags & _IFF_UP and not flags & _IFF_LOOPBACK):
+            found.append(name)
+    return sorted(found)
+
+
+def port_warning(cluster, interfaces):
+    """The one line that says the tasks' ports are open beyond loopback, or None.
+
+    Args:
+      cluster: as returned by :func:`build_cluster`.
+      interfaces: the names from :func:`non_loopback_interfaces`.
+
+    Returns:
+      A one-line string, or None when ``interfaces`` is empty.
+
+    Example:
+      >>> port_warning({"worker": ["127.0.0.1:4001"]}, ["eth0"])[:44]
+      'warning: TensorFlow listens on every interfa'
+    """
+    if not interfaces:
+        return None
+    ports = ", ".join(cluster[job][index].rpartition(":")[2] for job, index in _tfconfig.tasks(cluster))
+    return ("warning: TensorFlow listens on every interface, not only the --host address: the tasks' ports "
+            "(%s) are open on %s too, without authentication, and whoever reaches them can run any op in "
+            "the tasks; close them with a firewall or keep the machine on a private network "
+            "(--no-port-warning hides this line)" % (ports, ", ".join(interfaces)))
 
 
 def describe_status(returncode):
@@ -332,7 +398,8 @@ class Launcher(object):
       command: the argv list every task runs.
       workers: number of worker tasks (``worker:0`` is the chief).
       ps: number of ps tasks.
-      host: loopback or interface address of the cluster.
+      host: the address the tasks reach each other at (TensorFlow listens on
+        every interface whatever it is).
       grace_seconds: SIGTERM-to-SIGKILL delay when stopping tasks.
       shutdown_seconds: how long the other tasks may run after the chief ended.
       stdout: binary stream for the tasks' prefixed output.
@@ -365,14 +432,13 @@ class Launcher(object):
 
     def start(self):
         """Starts every task; pumps start after all forks (``preexec_fn`` and threads do not mix)."""
-        for job in ("worker", "ps"):
-            for index, address in enumerate(self.cluster.get(job, ())):
-                env = dict(os.environ, TF_CONFIG=tf_config_for(self.cluster, job, index), PYTHONUNBUFFERED="1")
-                if not self.verbose:
-                    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-                task = _Task("%s:%d" % (job, index), self.command, env)
-                self.tasks.append(task)
-                self.say("started %s (pid %d) at %s" % (task.name, task.process.pid, address))
+        for job, index in _tfconfig.tasks(self.cluster, ("worker", "ps")):
+            env = dict(os.environ, TF_CONFIG=tf_config_for(self.cluster, job, index), PYTHONUNBUFFERED="1")
+            if not self.verbose:
+                env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+            task = _Task("%s:%d" % (job, index), self.command, env)
+            self.tasks.append(task)
+            self.say("started %s (pid %d) at %s" % (task.name, task.process.pid, self.cluster[job][index]))
         for task in self.tasks:
             task.start_pump(self.stdout, self._lock, quiet=not self.verbose)
 
@@ -455,7 +521,7 @@ def parse_args(argv):
 
     Returns:
       An ``argparse.Namespace`` with ``workers``, ``ps``, ``host``, ``grace``, ``verbose``,
-      ``shutdown_timeout`` and ``command`` (a non-empty list).
+      ``shutdown_timeout``, ``no_port_warning`` and ``command`` (a non-empty list).
 
     Raises:
       SystemExit: with status 2 and one error line for bad arguments.
@@ -468,11 +534,14 @@ def parse_args(argv):
                             description="Run one TensorFlow job as several local processes.")
     parser.add_argument("--workers", type=int, required=True, help="worker processes; worker:0 is the chief")
     parser.add_argument("--ps", type=int, default=0, help="parameter-server processes (default 0)")
-    parser.add_argument("--host", default="127.0.0.1", help="address the tasks listen on")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the tasks reach each other at (TensorFlow listens on every interface)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--verbose", action="store_true", help="keep TensorFlow's log noise in the output")
     parser.add_argument("--shutdown-timeout", type=float, default=15.0,
                         help="seconds the other tasks may run after the chief ended")
+    parser.add_argument("--no-port-warning", action="store_true",
+                        help="do not warn that the tasks' ports are open on every interface")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every task runs")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -516,6 +585,9 @@ def main(argv=None, stdout=None, stderr=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     launcher = Launcher(args.command, args.workers, args.ps, args.host, args.grace, args.shutdown_timeout,
                         stdout=stdout, stderr=stderr, verbose=args.verbose)
+    warning = None if args.no_port_warning else port_warning(launcher.cluster, non_loopback_interfaces())
+    if warning is not None:
+        launcher.say(warning)
     previous = _install_handlers(launcher)
     try:
         return launcher.run()

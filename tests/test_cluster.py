@@ -95,8 +95,14 @@ _WORKERS = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
     ("{not json", r"^`TF_CONFIG` is not valid JSON \(Expecting property name .*\), got '\{not json'$"),
     ("[1, 2]", r"^`TF_CONFIG` must be a JSON object with \"cluster\" and \"task\", got \[1, 2\]$"),
     (json.dumps({"task": {"type": "worker", "index": 0}}), r"`cluster` must be a non-empty object.*got None"),
-    (_tf_config({"worker": ["a:1"], "evaluator": ["b:1"]}), r"cluster has unknown task type 'evaluator'"),
-    (_tf_config(_WORKERS, "master", 0), r"task has unknown task type \(known: chief, worker, ps\), got 'master'"),
+    (_tf_config({"worker": ["a:1"], "trainer": ["b:1"]}),
+     r"cluster has unknown task type 'trainer' \(known: chief, worker, ps, evaluator; master is read as chief\)"),
+    (_tf_config(_WORKERS, "boss", 0),
+     r"task has unknown task type \(known: chief, worker, ps, evaluator; master is read as chief\), got 'boss'"),
+    (_tf_config({"chief": ["a:1"], "master": ["b:1"]}, "chief"),
+     r"cluster names its chief twice, as \"chief\" and \"master\", got \['chief', 'master'\]$"),
+    (_tf_config({"evaluator": ["e:1"]}, "evaluator"), r"cluster needs a \"worker\" or \"chief\" job, got \[\]$"),
+    (_tf_config(_WORKERS, "evaluator", -1), r"task index must be >= 0, got -1$"),
     (_tf_config(_WORKERS, "ps", 0), r"task type 'ps' is not a job of the cluster \(jobs: worker\), got 'ps'"),
     (_tf_config(_WORKERS, "worker", 2), r"task index is outside the cluster: job 'worker' has tasks 0..1, got 2$"),
     (_tf_config(_WORKERS, "worker", -1), r"task index is outside the cluster: .*, got -1$"),
@@ -276,7 +282,7 @@ def test_all_reduce_on_apply_delegates_slots_and_checks_arguments():
 
 @pytest.mark.parametrize("tf_config, match", [
     ("{oops", r"`TF_CONFIG` is not valid JSON"),
-    (_tf_config(_WORKERS, "evaluator", 0), r"task has unknown task type .*, got 'evaluator'"),
+    (_tf_config(_WORKERS, "boss", 0), r"task has unknown task type .*, got 'boss'"),
     (_tf_config(_WORKERS, "worker", 5), r"task index is outside the cluster: job 'worker' has tasks 0..1, got 5"),
 ])
 def test_example_prints_one_error_line_for_a_bad_tf_config(parabola_example, tf_config, match, monkeypatch,

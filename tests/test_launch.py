@@ -281,7 +281,7 @@ def test_a_group_is_alive_while_an_orphaned_member_runs_and_not_once_it_is_kille
 def test_a_command_that_cannot_start_is_one_line(tmp_path):
     out, err = io.BytesIO(), io.StringIO()
     missing = str(tmp_path / "no_such_program")
-    status = launch.main(["--workers", "2", "--", missing], stdout=out, stderr=err)
+    status = launch.main(["--workers", "2", "--no-port-warning", "--", missing], stdout=out, stderr=err)
     assert status == 127
     assert err.getvalue() == "gradaccum.launch: cannot start %r: No such file or directory\n" % missing
 
@@ -336,7 +336,7 @@ def test_a_bad_flag_is_one_usage_line_without_tensorflow_or_runpy_warning(args):
     assert status == 2 and len(lines) == 1, err[-2000:]
     assert lines[0].startswith("gradaccum.launch: error: ")
     assert lines[0].endswith("; usage: python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] "
-                             "[--shutdown-timeout S] [--verbose] -- COMMAND [ARG ...]")
+                             "[--shutdown-timeout S] [--verbose] [--no-port-warning] -- COMMAND [ARG ...]")
     assert imported and not any(re.search(r"\| +(tensorflow|numpy)\b", line) for line in imported)
     assert "RuntimeWarning" not in err
     assert seconds < 3.0  # About 0.1 s on an idle machine; this one is shared.
