@@ -25,7 +25,7 @@ here, where users look for them:
   :func:`session_config`); the other tasks :func:`serve` until the chief's
   :class:`StopSignal`.
 
-:class:`Heartbeat` (from :mod:`gradaccum.heartbeat`) bounds the wait for a
+:class:`Heartbeat` (defined in ``gradaccum.heartbeat``) bounds the wait for a
 peer that died or stopped answering, for both engines. An evaluator task
 (:attr:`ClusterConfig.is_evaluator`) is no part of training: no engine, no
 broadcast and no Heartbeat waits for it, and it runs no server.
