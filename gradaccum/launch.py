@@ -194,7 +194,8 @@ def port_warning(cluster, interfaces):
     """
     if not interfaces:
         return None
-    ports = ", ".join(cluster[job][index].rpartition(":")[2] for job, index in _tfconfig.tasks(cluster))
+    tasks = _tfconfig.tasks(cluster, ("worker", "ps"))
+    ports = ", ".join(cluster[job][index].rpartition(":")[2] for job, index in tasks)
     return ("warning: TensorFlow listens on every interface, not only the --host address: the tasks' ports "
             "(%s) are open on %s too, without authentication, and whoever reaches them can run any op in "
             "the tasks; close them with a firewall or keep the machine on a private network "

@@ -11,6 +11,7 @@ import socket
 import threading
 
 import numpy as np
+import psutil
 import pytest
 
 import gradaccum
@@ -302,3 +303,17 @@ def test_example_prints_one_error_line_for_a_busy_port(parabola_example, monkeyp
     err = capsys.readouterr().err
     assert err == ("parabola_sync.py: error: cannot start worker:0: port %s of %r is already in use by another "
                    "process\n" % (address.rsplit(":", 1)[1], address))
+
+
+def test_a_server_on_a_loopback_address_is_reachable_on_every_interface():
+    # Why the launcher warns: TensorFlow binds 0.0.0.0 whatever host TF_CONFIG names.
+    others = sorted(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                    if a.family == socket.AF_INET and not a.address.startswith("127."))
+    if not others:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    config = _config(_local_cluster(1))
+    cluster.start_server(config)
+    port = int(config.address.rsplit(":", 1)[1])
+    socket.create_connection((others[0], port), timeout=5).close()
+    listening = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert listening and all(c.laddr.ip in ("0.0.0.0", "::") for c in listening), listening

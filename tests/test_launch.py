@@ -348,3 +348,41 @@ def test_importing_the_package_defers_everything_but_the_tensorflow_check():
     done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           universal_newlines=True, timeout=120)
     assert done.stdout.splitlines() == ["['gradaccum', 'gradaccum._compat', 'gradaccum._version']", "True"]
+
+
+def _up_non_loopback_interfaces():
+    """Measured independently of the launcher: interfaces that are up and hold no loopback address."""
+    addresses = psutil.net_if_addrs()
+    return sorted(name for name, stats in psutil.net_if_stats().items()
+                  if stats.isup and not any(a.address in ("127.0.0.1", "::1") for a in addresses.get(name, ())))
+
+
+def test_non_loopback_interfaces_are_the_ones_that_are_up_and_not_loopback():
+    assert launch.non_loopback_interfaces() == _up_non_loopback_interfaces()
+
+
+def test_port_warning_names_the_ports_and_interfaces_or_is_none():
+    spec = {"worker": ["127.0.0.1:4001", "127.0.0.1:4002"], "ps": ["127.0.0.1:4003"]}
+    assert launch.port_warning(spec, []) is None
+    assert launch.port_warning(spec, ["eth0", "wlan0"]) == (
+        "warning: TensorFlow listens on every interface, not only the --host address: the tasks' ports "
+        "(4001, 4002, 4003) are open on eth0, wlan0 too, without authentication, and whoever reaches them can run "
+        "any op in the tasks; close them with a firewall or keep the machine on a private network "
+        "(--no-port-warning hides this line)")
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-port-warning"]])
+def test_the_launcher_warns_once_about_open_ports_unless_silenced(flags):
+    done = subprocess.run([sys.executable, "-m", "gradaccum.launch", "--workers", "2"] + flags
+                          + ["--", sys.executable, "-c", "pass"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("gradaccum.launch: warning:")]
+    ports = re.findall(r"started worker:\d \(pid \d+\) at 127\.0\.0\.1:(\d+)", done.stderr)
+    interfaces = _up_non_loopback_interfaces()
+    if flags or not interfaces:
+        assert warnings == []
+    else:  # This machine, and CI's, have one (eth0).
+        assert warnings == ["gradaccum.launch: " + launch.port_warning(
+            {"worker": ["127.0.0.1:%s" % port for port in ports]}, interfaces)]
+        assert done.stderr.index("warning:") < done.stderr.index("started worker:0")
