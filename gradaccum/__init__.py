@@ -17,6 +17,8 @@ from gradaccum._version import __version__
 # imports this package first, parses its flags without loading TensorFlow.
 _EXPORTS = {
     "GradientAccumulator": ("gradaccum.accumulator", "GradientAccumulator"),
+    "Reducer": ("gradaccum.reducers", "Reducer"),
+    "WindowObserver": ("gradaccum.observers", "WindowObserver"),
     "AdaptiveBatch": ("gradaccum.adaptive", "AdaptiveBatch"),
     "batch_ramp": ("gradaccum.schedules", "batch_ramp"),
     "step_schedule": ("gradaccum.schedules", "step_schedule"),
@@ -37,6 +39,8 @@ _EXPORTS = {
     "collective": ("gradaccum.collective", None),
     "ingraph": ("gradaccum.ingraph", None),
     "launch": ("gradaccum.launch", None),
+    "observers": ("gradaccum.observers", None),
+    "reducers": ("gradaccum.reducers", None),
     "statistics": ("gradaccum.statistics", None),
     "tower": ("gradaccum.tower", None),
 }
@@ -71,9 +75,11 @@ __all__ = [
     "GradientAccumulator",
     "Heartbeat",
     "MicroBatchChoice",
+    "Reducer",
     "StopSignal",
     "Tower",
     "TowerTraining",
+    "WindowObserver",
     "batch_normalization",
     "batch_ramp",
     "cluster",
@@ -81,6 +87,8 @@ __all__ = [
     "find_micro_batch",
     "ingraph",
     "launch",
+    "observers",
+    "reducers",
     "statistics",
     "step_schedule",
     "summaries",

@@ -6,6 +6,7 @@ version-dependent behaviour stays in one file. This module creates no
 variables and no collections.
 """
 import contextlib
+import sys
 import re
 
 _INSTALL_HINT = (
@@ -256,3 +257,27 @@ def collective_broadcast(tensor, send, group_size, group_key, instance_key, time
                                       **extra)
         extra = _collective_timeout(ops.broadcast_recv, timeout_seconds)
         return ops.broadcast_recv(shape, dtype, group_size, group_key, instance_key, **extra)
+
+
+
+def loss_scale_optimizer_types():
+    """TF's loss-scale optimizer classes that exist in this process.
+
+    TF 1.15 exports ``tf.train.experimental.MixedPrecisionLossScaleOptimizer``,
+    TF 2.x ``tf.compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer``;
+    TF 1.15's contrib ``LossScaleOptimizer`` counts when contrib is loaded
+    (an instance of it exists only then; importing contrib here would be slow).
+    """
+    found = []
+    for path in ("compat.v1.mixed_precision.MixedPrecisionLossScaleOptimizer",
+                 "compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer",
+                 "train.experimental.MixedPrecisionLossScaleOptimizer"):
+        value = tf
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, type) and value not in found:
+            found.append(value)
+    contrib = sys.modules.get("tensorflow.contrib.mixed_precision")
+    if contrib is not None and hasattr(contrib, "LossScaleOptimizer"):
+        found.append(contrib.LossScaleOptimizer)
+    return tuple(found)

@@ -2,20 +2,20 @@
 
 A layer whose per-run update would be wrong under accumulation (batch norm's
 moving averages, which should move once per window from the pooled window
-statistics) puts an object into the graph collection
-:data:`WINDOW_STATISTICS` and its plain, TF-like per-run ``update_op`` into
-``UPDATE_OPS``. A ``GradientAccumulator`` with k > 1 splits its update ops
-with :func:`split_update_ops`: plain ops run on every micro-step, and for each
-statistics object it runs ``accumulate()`` on every micro-step, ``finalize()``
-once an applied window's update is done, and ``reset()`` on skipped windows
-and in ``zero_op``. This module creates no variables; the collection is
+statistics) puts a ``gradaccum.WindowObserver`` with an ``update_op``
+attribute into the graph collection :data:`WINDOW_STATISTICS`, and its
+plain, TF-like per-run ``update_op`` into ``UPDATE_OPS``. A
+``GradientAccumulator`` with k > 1 splits its update ops with
+:func:`split_update_ops`: plain ops run on every micro-step, and each
+statistics object observes the window instead (``added`` on every
+micro-step, ``applied`` once an applied window's update is done, ``reset``
+on skipped windows and in ``zero_op``). This module creates no variables; the collection is
 filled by the layers, not here.
 """
 from gradaccum._compat import tf
 
 WINDOW_STATISTICS = "gradaccum_window_statistics"
-"""Graph collection of window-statistics objects (``update_op``, ``accumulate()``,
-``finalize()``, ``reset()``)."""
+"""Graph collection of window-statistics objects (window observers with an ``update_op``)."""
 
 
 def split_update_ops(update_ops, graph=None):

@@ -1,10 +1,19 @@
-"""The accumulation window: its state, the accumulate step and the end-of-window apply.
+"""The accumulation window, one pipeline read top to bottom.
 
-``GradientAccumulator`` checks its arguments and hands each train op to
-:func:`build`, which returns a :class:`Window`. A window sums weighted
-micro-batch gradients into caches and, on the run that fills it, divides by
-the summed weight, applies through the wrapped optimizer (or its collective
-reducer), counts ``global_step`` and resets, all in that ``session.run``.
+Every run of a train op adds one micro-batch (weighted, dense or sparse) to
+the window's caches. The run that fills the window then, in that same
+``session.run``:
+
+    sum -> reduce across workers -> divide by the total weight -> decide skip
+    -> clip -> apply through the wrapped optimizer -> count ``global_step``
+    -> notify observers -> reset.
+
+Features plug in through two protocols and nothing else: a reducer
+(``gradaccum.reducers.Reducer``: the collective engine, the Horovod adapter)
+and observers (``gradaccum.observers.WindowObserver``: statistics, the
+adaptive policy, window batch norm, user-written ones). The window size comes
+from one :class:`WindowSize`, read when a window's first micro-batch arrives.
+This module imports none of the feature modules.
 
 Variables it creates (global, non-trainable resource variables, so that a
 ``Saver`` checkpoint taken in the middle of a window restores it exactly;
@@ -22,21 +31,25 @@ trained variable by name), for a window scoped ``<scope>``:
 * ``<scope>/window_size`` (int64): only when the number of micro-batches is a
   tensor, a schedule or a policy: the size of the window in progress, read
   when its first micro-batch arrives;
+* ``<scope>/sparse_sq_norm``: only with ``clip_norm`` and a sparse gradient:
+  ``sum_i w_i^2 |values_i|^2`` of the window's sparse rows, so that the clip
+  measures the norm ``tf.clip_by_global_norm`` measures on the full batch;
 * ``<scope>/skipped_windows`` (int64): windows not applied because their
   total weight was zero, or their sum was not finite;
-* with statistics: ``<scope>/statistics/...`` (``gradaccum.statistics``).
+* whatever the observers made by the accumulator create
+  (``<scope>/statistics/...`` for ``gradaccum.statistics``).
 
 With a static k = 1 there is no cache, ``micro_step`` or ``weight_sum``; only
-``skipped_windows`` when a window can be skipped or statistics are kept.
+``skipped_windows`` when a window can be skipped or something observes it.
 This module adds nothing to any collection; the caller keeps the wrapped
 optimizer's internal apply ops out of ``TRAIN_OP``.
 """
 import collections
 
-from gradaccum import statistics as _statistics
 from gradaccum._compat import tf, v1_control_flow
-from gradaccum._update_ops import split_update_ops
-from gradaccum._wrapper import state_variable, weighted
+from gradaccum._gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
+from gradaccum._state import state_variable
+from gradaccum.observers import MicroBatch, WindowUpdate
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.
@@ -44,15 +57,62 @@ _FLOAT_WIDTH = {tf.float16: 16, tf.bfloat16: 16, tf.float32: 32, tf.float64: 64}
 _BASE_APPLY = tf.compat.v1.train.Optimizer.apply_gradients
 
 Config = collections.namedtuple("Config", [
-    "optimizer", "name", "num_micro_batches", "size_fn", "policy", "clip_norm", "accumulation_dtype",
-    "skip_nonfinite", "statistics", "reducer", "loss_scaled", "ref_step_flow"])
-"""What a ``GradientAccumulator`` decided once: ``num_micro_batches`` is the
-static k or ``None``; then ``size_fn(global_step)`` gives the next window's k."""
+    "applier", "name", "size", "clip_norm", "accumulation_dtype", "skip_nonfinite", "observers", "reducer",
+    "loss_scaled", "ref_step_flow"])
+"""What a ``GradientAccumulator`` decided once. ``applier`` applies the
+averaged update (the reducer or the wrapped optimizer); ``size`` is a
+:class:`WindowSize`; ``observers`` are callables ``(pairs, sum_dtype) ->
+WindowObserver``, called once per window, in its name scope."""
+
+Step = collections.namedtuple("Step", [
+    "global_step", "name", "weight", "update_ops", "observers", "small_batches", "weighted_grads"])
+"""What one train op adds to the config: its ``global_step``, its op name,
+the micro-batch ``weight``, the update ops to run first on every micro-batch,
+its own observers (window batch-norm statistics), the towers' shards and
+whether the gradients already carry ``weight``."""
 
 # One variable's accumulation state; ``touched`` is None for dense gradients.
 _Slot = collections.namedtuple("_Slot", ["var", "accum", "touched"])
-# The state of one window while it is being built.
-_State = collections.namedtuple("_State", ["slots", "micro_step", "weight_sum", "skipped", "stats", "size"])
+# The state of one window.
+_State = collections.namedtuple("_State", [
+    "slots", "micro_step", "weight_sum", "size", "sparse_sq", "skipped", "observers", "made"])
+# A window's sums at its end: ``rows`` are the sparse caches' touched rows.
+_Sums = collections.namedtuple("_Sums", ["pairs", "total", "sparse_sq", "rows"])
+# What every end-of-window step needs: the config, the state, the step
+# variable, and the caller's name scope (where the wrapped optimizer builds).
+_End = collections.namedtuple("_End", ["config", "state", "global_step", "outer_scope"])
+
+
+class WindowSize(object):
+    """Where each window's number of micro-batches comes from.
+
+    A static ``k`` is a Python int. Otherwise ``fn(global_step)`` gives a
+    scalar integer tensor; it is read once, when a window's first
+    micro-batch arrives, checked >= 1 there, and held in the window's
+    ``window_size`` variable (so a checkpoint keeps it) until the window ends.
+
+    Args:
+      k: the static int, or ``None``.
+      fn: ``None``, or a callable ``global_step -> scalar integer tensor``.
+      needs_global_step: whether ``fn`` is a schedule of ``global_step``.
+    """
+
+    def __init__(self, k=None, fn=None, needs_global_step=False):
+        self.k, self._fn, self.needs_global_step = k, fn, needs_global_step
+
+    def read(self, global_step):
+        """The next window's k, an int64 scalar tensor, checked >= 1 when it runs."""
+        k = self._fn(global_step)
+        k = tf.convert_to_tensor(k)
+        if k.dtype.base_dtype == tf.bool or not k.dtype.base_dtype.is_integer or k.shape.ndims not in (None, 0):
+            raise ValueError("`num_micro_batches` must give a scalar integer tensor for every window, got %s"
+                             % (k,))
+        k = tf.cast(k, tf.int64)
+        check = tf.compat.v1.assert_greater_equal(
+            k, tf.constant(1, tf.int64), message="`num_micro_batches` must be >= 1 for every window, got")
+        with tf.control_dependencies([check]):
+            # A copy: k may alias a reference variable the caller changes in place.
+            return tf.raw_ops.Snapshot(input=k, name="next")
 
 
 class Window(object):
@@ -85,7 +145,8 @@ class Window(object):
         a dense one holds the window's sum only while ``micro_step`` > 0.
       touched: per cache, the row flags of a sparse one, else ``None``.
       variables: the trained variables, in the order of ``accumulators``.
-      statistics: the ``gradaccum.statistics.GradientStatistics``, or ``None``.
+      observers: the window's observers: the accumulator's first (statistics,
+        a policy, those given), then window batch-norm statistics.
 
     Example:
       >>> window = opt.windows[-1]
@@ -93,21 +154,18 @@ class Window(object):
       ...     sess.run(window.train_op, next_feed())
     """
 
-    def __init__(self, train_op, variables, state=None, accumulate_op=None, zero_op=None, build_apply=None,
-                 size=None):
+    def __init__(self, train_op, variables, state=None, manual=(None, None, None), size=None):
         self.train_op = train_op
         self.variables = list(variables)
-        self.accumulate_op = accumulate_op
-        self.zero_op = zero_op
-        self.skipped_windows = None if state is None else state.skipped
-        self.statistics = None if state is None else state.stats
-        slots = [] if state is None else state.slots
-        self.accumulators = [s.accum for s in slots]
-        self.touched = [s.touched for s in slots]
-        self.micro_step = None if state is None else state.micro_step
-        self.weight_sum = None if state is None else state.weight_sum
-        self.window_size = None if state is None else state.size
-        self._build_apply = build_apply
+        self.accumulate_op, self.zero_op, self._build_apply = manual
+        state = state or _State([], None, None, None, None, None, [], 0)
+        self.accumulators = [s.accum for s in state.slots]
+        self.touched = [s.touched for s in state.slots]
+        self.micro_step, self.weight_sum, self.window_size = state.micro_step, state.weight_sum, state.size
+        self.skipped_windows = state.skipped
+        self.observers = list(state.observers)
+        self._own = [v for v in (state.sparse_sq,) if v is not None]
+        self._own.extend(v for observer in state.observers[:state.made] for v in observer.variables)
         self._apply_op = None
         self.size, self.ended = size
 
@@ -134,16 +192,15 @@ class Window(object):
         return self._apply_op
 
     def state_variables(self):
-        """The window's own variables: caches, row flags, counters, statistics."""
+        """The window's own variables: caches, row flags, counters, and its accumulator's observers'."""
         found = list(self.accumulators) + [flags for flags in self.touched if flags is not None]
         found.extend(v for v in (self.micro_step, self.weight_sum, self.window_size, self.skipped_windows)
                      if v is not None)
-        if self.statistics is not None:
-            found.extend(self.statistics.variables)
+        found.extend(self._own)
         return found
 
 
-def build(config, grads_and_vars, pairs, weight, global_step, name, update_ops, small_batches, weighted_grads):
+def build(config, grads_and_vars, pairs, step):
     """Builds one train op's window.
 
     Args:
@@ -151,100 +208,94 @@ def build(config, grads_and_vars, pairs, weight, global_step, name, update_ops, 
       grads_and_vars: every ``(gradient, variable)`` pair, ``None`` gradients
         included (passed on as given where the wrapped optimizer applies them).
       pairs: the pairs with a gradient.
-      weight: ``None`` or a scalar tensor.
-      global_step: ``None`` or the variable counting applied windows.
-      name: the train op's name, or ``None``.
-      update_ops: ops to run on every micro-batch (window statistics split out).
-      small_batches: ``None`` or the towers' shards, for statistics.
-      weighted_grads: the gradients already carry ``weight``.
+      step: this train op's :data:`Step`.
 
     Returns:
       A :class:`Window`.
 
     Example:
-      >>> window = build(config, gv, gv, None, step, None, [], None, False)
+      >>> window = build(config, gv, gv, Step(step, None, None, [], [], None, False))
     """
-    if config.num_micro_batches == 1:
-        return _build_direct(config, grads_and_vars, pairs, weight, global_step, name, update_ops, small_batches)
-    return _build_window(config, pairs, weight, global_step, name, update_ops, small_batches, weighted_grads)
+    if config.size.k == 1:
+        return _build_direct(config, grads_and_vars, pairs, step)
+    return _build_window(config, pairs, step)
 
 
 # ------------------------------------------------------------ k = 1, static
 
 
-def _build_direct(config, grads_and_vars, pairs, weight, global_step, name, update_ops, small_batches):
+def _build_direct(config, grads_and_vars, pairs, step):
     """k = 1: the wrapped optimizer's own train op, unless something must be decided or observed."""
-    reducer = config.reducer
-    decide = weight is not None or config.skip_nonfinite or reducer is not None
+    decide = step.weight is not None or config.skip_nonfinite or config.reducer is not None
     one = (tf.constant(1, tf.int64), tf.constant(True))
     variables = [v for _, v in pairs]
-    if not (decide or config.statistics or config.clip_norm is not None):
-        with tf.control_dependencies(update_ops):
+    if not (decide or config.observers or config.clip_norm is not None):
+        with tf.control_dependencies(step.update_ops):
             train_op = counted_apply(
-                config.optimizer, lambda gv: config.optimizer.apply_gradients(gv, global_step, name),
-                grads_and_vars, global_step)
+                config.applier, lambda gv: config.applier.apply_gradients(gv, step.global_step, step.name),
+                grads_and_vars, step.global_step)
         return Window(train_op, variables, size=one)
     outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
     with tf.compat.v1.name_scope(config.name):
         with tf.compat.v1.init_scope():
-            first = _first(pairs)
-            skipped = state_variable("skipped_windows", [], tf.int64, first)
-            stats = _statistics.create(pairs, _sum_dtype(pairs, None)) if config.statistics else None
-        state = _State([], None, None, skipped, stats, None)
-        with tf.control_dependencies(update_ops):
-            observed = [] if stats is None else [
-                stats.observe_small([g for g, _ in pairs], weight, small_batches=small_batches)]
-            with tf.control_dependencies(observed):
-                sums, total = pairs, None
-                if reducer is not None:
-                    sums = [(weighted(g, weight), v) for g, v in pairs]
-                    total = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
-                elif weight is not None:
-                    total = weight
-                done = _finish(config, sums, total, reducer is not None, global_step, outer_scope,
-                               list, list, state)
-            train_op = tf.group(done, name=name or "train")
+            skipped = state_variable("skipped_windows", [], tf.int64, _first(pairs))
+            observers = _make_observers(config, pairs)
+        state = _State([], None, None, None, None, skipped, observers, len(observers))
+        with tf.control_dependencies(step.update_ops):
+            with tf.control_dependencies(_notify(observers, "added", MicroBatch(pairs, step.weight,
+                                                                                 step.small_batches))):
+                sums = _direct_sums(config, pairs, step.weight)
+                done = _finish(_End(config, state, step.global_step, outer_scope), sums)
+            train_op = tf.group(done, name=step.name or "train")
     return Window(train_op, variables, state, size=one)
+
+
+def _direct_sums(config, pairs, weight):
+    """A k = 1 window's sums: the gradients themselves, weighted only for a reducer."""
+    if config.reducer is None:
+        return _Sums(pairs, weight, None, None)
+    total = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
+    summed = [(weighted(g, weight), v) for g, v in pairs]
+    sparse_sq = None
+    if config.clip_norm is not None and _has_sparse(pairs):
+        sparse_sq = _sparse_sq_norm([g for g, _ in pairs], weight, tf.float32)
+    return _Sums(summed, total, sparse_sq, None)
 
 
 # ------------------------------------------------------------ k > 1 or dynamic
 
 
-def _build_window(config, pairs, weight, global_step, name, update_ops, small_batches, weighted_grads):
+def _build_window(config, pairs, step):
     """Accumulates on every run; finishes the window on the run that fills it."""
-    plain_ops, window_stats = split_update_ops(update_ops)
     graph = tf.compat.v1.get_default_graph()
     outer_scope = graph.get_name_scope()
     var_scope = tf.compat.v1.get_variable_scope()
     with tf.compat.v1.name_scope(config.name) as scope:
-        state = _create_state(config, pairs)
-        size_now = _size_now(config, state, global_step)
-        with tf.control_dependencies(plain_ops):
-            accumulate = _accumulate(state, pairs, weight, window_stats, small_batches, weighted_grads, size_now)
+        state = _create_state(config, pairs, step)
+        end = _End(config, state, step.global_step, outer_scope)
+        with tf.control_dependencies(step.update_ops):
+            accumulate = _accumulate(config, state, pairs, step)
             with tf.control_dependencies([accumulate]):
-                limit = config.num_micro_batches if state.size is None else state.size.read_value()
+                limit = config.size.k if state.size is None else state.size.read_value()
                 due = tf.greater_equal(state.micro_step.read_value(), limit, name="window_full")
-            fused = tf.cond(due, lambda: _finish_window(config, state, window_stats, global_step, outer_scope),
-                            tf.no_op, name="apply_if_due")
-            train_op = tf.group(fused, name=name or "train")
+            fused = tf.cond(due, lambda: _end_window(end), tf.no_op, name="apply_if_due")
+            train_op = tf.group(fused, name=step.name or "train")
         # The manual ops must not wait for the caller's control dependencies
         # (typically UPDATE_OPS, which need a feed): rebuild the scope cleanly.
         with tf.control_dependencies(None), tf.compat.v1.name_scope(scope):
-            discard = [] if state.stats is None else [state.stats.discard()]
-            zero_op = tf.group(_reset(state, window_stats) + discard, name="zero")
-            size = _size(config, state, size_now)
+            zero_op = tf.group(_reset(state) + _notify(state.observers, "reset"), name="zero")
+            size = _size(config, state, step.global_step)
 
     def build_apply():
         with graph.as_default(), v1_control_flow(config.ref_step_flow), tf.control_dependencies(None), \
                 tf.compat.v1.variable_scope(var_scope, reuse=tf.compat.v1.AUTO_REUSE, auxiliary_name_scope=False), \
                 tf.compat.v1.name_scope(scope), keep_train_ops(graph):
-            return tf.group(_finish_window(config, state, window_stats, global_step, outer_scope, may_be_empty=True),
-                            name="apply")
+            return tf.group(_end_window(end, may_be_empty=True), name="apply")
 
-    return Window(train_op, [s.var for s in state.slots], state, accumulate, zero_op, build_apply, size)
+    return Window(train_op, [s.var for s in state.slots], state, (accumulate, zero_op, build_apply), size)
 
 
-def _create_state(config, pairs):
+def _create_state(config, pairs, step):
     # init_scope: outside surrounding control dependencies and control flow,
     # so initializers never wait for update ops or feeds.
     with tf.compat.v1.init_scope():
@@ -253,10 +304,13 @@ def _create_state(config, pairs):
         sum_dtype = _sum_dtype(pairs, config.accumulation_dtype)
         micro_step = state_variable("micro_step", [], tf.int64, first)
         weight_sum = state_variable("weight_sum", [], sum_dtype, first)
-        size = None if config.size_fn is None else state_variable("window_size", [], tf.int64, first)
+        size = None if config.size.k is not None else state_variable("window_size", [], tf.int64, first)
+        sparse_sq = None
+        if config.clip_norm is not None and _has_sparse(pairs):
+            sparse_sq = state_variable("sparse_sq_norm", [], sum_dtype, first)
         skipped = state_variable("skipped_windows", [], tf.int64, first)
-        stats = _statistics.create(pairs, sum_dtype) if config.statistics else None
-    return _State(slots, micro_step, weight_sum, skipped, stats, size)
+        made = _make_observers(config, pairs, sum_dtype)
+    return _State(slots, micro_step, weight_sum, size, sparse_sq, skipped, made + list(step.observers), len(made))
 
 
 def _create_slot(config, var, grad):
@@ -274,61 +328,61 @@ def _create_slot(config, var, grad):
     return _Slot(var, accum, touched)
 
 
-def _first(pairs):
-    return min((var for _, var in pairs), key=lambda v: v.name)
+def _make_observers(config, pairs, sum_dtype=None):
+    sum_dtype = sum_dtype or _sum_dtype(pairs, None)
+    return [make(pairs, sum_dtype) for make in config.observers]
 
 
-def _size_now(config, state, global_step):
-    """The k a window starting now would get (int64 tensor), checked >= 1; ``None`` for a static k."""
-    if state.size is None:
-        return None
-    with tf.compat.v1.name_scope("window_size"):
-        k = tf.cast(config.size_fn(global_step), tf.int64)
-        check = tf.compat.v1.assert_greater_equal(
-            k, tf.constant(1, tf.int64), message="`num_micro_batches` must be >= 1 for every window, got")
-        with tf.control_dependencies([check]):
-            # A copy: k may alias a reference variable the caller changes in place.
-            return tf.raw_ops.Snapshot(input=k, name="next")
-
-
-def _size(config, state, size_now):
+def _size(config, state, global_step):
     """``(size, ended)``: micro-batches of the window in progress (else of the next), and no window open."""
     ended = tf.equal(state.micro_step.read_value(), 0, name="window_ended")
-    if size_now is None:
-        return tf.constant(config.num_micro_batches, tf.int64, name="window_size"), ended
-    return tf.compat.v1.where(ended, size_now, state.size.read_value(), name="window_size"), ended
+    if state.size is None:
+        return tf.constant(config.size.k, tf.int64, name="window_size"), ended
+    # Read the source only when no window is open: inside one, its k is held.
+    size = tf.cond(ended, lambda: config.size.read(global_step), state.size.read_value, name="window_size")
+    return size, ended
 
 
-def _accumulate(state, pairs, weight, window_stats, small_batches, weighted_grads, size_now):
-    """Adds one micro-batch: gradients times weight (unless ``weighted_grads``), the weight, the count."""
+# ------------------------------------------------------------ add a micro-batch
+
+
+def _accumulate(config, state, pairs, step):
+    """Adds one micro-batch: gradients times weight (unless already), the weight, the count."""
+    weight = step.weight
     with tf.compat.v1.name_scope("accumulate"):
-        grad_weight = None if weighted_grads else weight
+        grad_weight = None if step.weighted_grads else weight
         dense = [(grad, slot) for (grad, _), slot in zip(pairs, state.slots) if slot.touched is None]
         adds = [_write_or_add(dense, grad_weight, state.micro_step)] if dense else []
-        if size_now is not None:
-            adds.append(_start_window(state, size_now))
+        if state.size is not None:
+            adds.append(_start_window(config, state, step.global_step))
         for (grad, _), slot in zip(pairs, state.slots):
             if slot.touched is not None:
                 adds.extend(_add_sparse(slot, grad, grad_weight))
+        if state.sparse_sq is not None:
+            grads = [grad for (grad, _), slot in zip(pairs, state.slots) if slot.touched is not None]
+            adds.append(state.sparse_sq.assign_add(
+                _sparse_sq_norm(grads, grad_weight, state.sparse_sq.dtype.base_dtype), read_value=False))
         added = 1.0 if weight is None else tf.cast(weight, state.weight_sum.dtype.base_dtype)
         # A constant weight depends on no input: without this, a run that fails
         # at its input (OutOfRangeError at the end of a tf.data loop) would
         # still count one micro-batch.
         with tf.control_dependencies(list(adds)):
             adds.append(state.weight_sum.assign_add(added))
-        adds.extend(stats.accumulate() for stats in window_stats)
-        if state.stats is not None:
-            adds.append(state.stats.observe_small([g for g, _ in pairs], weight, small_batches=small_batches))
+        adds.extend(_notify(state.observers, "added", MicroBatch(pairs, weight, step.small_batches)))
         with tf.control_dependencies(adds):
             # The counter moves last, so reading it orders after every addition.
             return tf.group(state.micro_step.assign_add(1), name="accumulate")
 
 
-def _start_window(state, size_now):
-    """Fixes the window's k when its first micro-batch arrives; a change waits for the next window."""
+def _start_window(config, state, global_step):
+    """Reads and checks the window's k when its first micro-batch arrives; a change waits for the next."""
     first = tf.equal(state.micro_step.read_value(), 0, name="window_start")
-    return tf.cond(first, lambda: tf.group(state.size.assign(size_now, read_value=False)), tf.no_op,
-                   name="fix_window_size")
+
+    def start():
+        with tf.compat.v1.name_scope("window_size"):
+            return tf.group(state.size.assign(config.size.read(global_step), read_value=False))
+
+    return tf.cond(first, start, tf.no_op, name="fix_window_size")
 
 
 def _write_or_add(dense, weight, micro_step):
@@ -374,96 +428,130 @@ def _add_sparse(slot, grad, weight):
 # ------------------------------------------------------------ end of a window
 
 
-def _finish_window(config, state, window_stats, global_step, outer_scope, may_be_empty=False):
-    """Applies the window (or skips it: zero weight, or not finite), then resets."""
-    sums, rows = _window_sums(state, may_be_empty)
-    total = state.weight_sum.read_value()
-
-    def done():
-        after = [s.finalize() for s in window_stats] + _reset(state, [], rows)
-        if config.policy is not None:
-            after.append(config.policy.update(state.stats))
-        return after
-
-    return _finish(config, sums, total, True, global_step, outer_scope, done,
-                   lambda: _reset(state, window_stats), state)
+def _end_window(end, may_be_empty=False):
+    """Sum: reads the window's caches, then finishes it."""
+    return _finish(end, _window_sums(end.state, may_be_empty))
 
 
-def _finish(config, sums, total, divide, global_step, outer_scope, done, skip, state):
-    """Applies ``sums / total`` (``sums`` when not ``divide``), or skips; returns an op.
-
-    ``done()`` gives the ops that run after the wrapped apply; ``skip()``
-    those of a skipped window. With a reducer, ``sums`` and ``total`` are
-    reduced first and every worker decides on the same values.
-    """
-    small = None
-    if config.reducer is not None:
-        sums, total, small = _reduced(config.reducer, sums, total, state.stats)
-    usable = _usable(config, sums, total)
+def _finish(end, sums):
+    """Reduce, divide, decide skip, then apply or skip; returns an op."""
+    config, state = end.config, end.state
+    sums, extras = _reduce(config.reducer, sums, state.observers)
+    usable = _usable(config, sums)
 
     def apply():
-        return _apply(config, sums, total, divide, global_step, outer_scope, done, skip, state, small)
+        divide = state.micro_step is not None or config.reducer is not None
+        averaged = normalized(sums.pairs, sums.total if divide else None)
+        finite = _loss_scale_applies(config, averaged)
+        updates = [WindowUpdate(averaged, sums.total, mine, state.observers) for mine in extras]
+        applied = _clip_and_apply(end, averaged, sums, updates, finite)
+        with tf.control_dependencies([applied]):
+            if finite is None:
+                return _done(state, sums, updates)
+            return tf.cond(finite, lambda: _done(state, sums, updates), lambda: _skip(state),
+                           name="reset_or_skip")
 
     if usable is None:
         return apply()
-    return tf.cond(usable, apply, lambda: _skip(skip(), state), name="apply_or_skip")
+    return tf.cond(usable, apply, lambda: _skip(state), name="apply_or_skip")
 
 
-def _reduced(reducer, sums, total, stats):
-    """Reduces the window across workers, with the statistics' small-batch sums in the same exchange.
+def _reduce(reducer, sums, observers):
+    """Reduce: the window's sums, weight and every extra scalar, over the workers, in one exchange.
 
-    Every worker then estimates the noise scale from every small batch, so
-    policies driven by it (``AdaptiveBatch``) decide alike everywhere.
+    Returns the reduced sums and, per observer, its reduced extra sums (none
+    without a reducer: an observer then reads its own).
     """
-    extra = [] if stats is None else stats.small_sums()
-    anchor = sums[0][1]
-    reduced, total = reducer.reduce_window(list(sums) + [(value, anchor) for value in extra], total)
-    cut = len(reduced) - len(extra)
-    return reduced[:cut], total, [value for value, _ in reduced[cut:]] if extra else None
+    if reducer is None:  # Each observer reads its own sums.
+        return sums, [[] for _ in observers]
+    own = [] if sums.sparse_sq is None else [sums.sparse_sq]
+    asked = [list(observer.extra_sums()) for observer in observers]
+    flat = own + [value for values in asked for value in values]
+    pairs, total, flat = reducer.reduce(sums.pairs, sums.total, flat)
+    sparse_sq = flat[0] if own else None
+    position, extras = len(own), []
+    for values in asked:
+        extras.append(list(flat[position:position + len(values)]))
+        position += len(values)
+    return _Sums(pairs, total, sparse_sq, sums.rows), extras
 
 
-def _usable(config, sums, total):
+# Decide skip: the two predicates, both on the reduced window, so that every
+# worker decides alike.
+
+
+def _usable(config, sums):
+    """bool tensor, or ``None`` for always: the window has weight and (``skip_nonfinite``) a finite sum.
+
+    A window that is not usable is skipped before anything is applied.
+    """
     checks = []
-    if total is not None:
-        checks.append(tf.greater(total, 0, name="has_weight"))
-    # A loss-scale optimizer must see a non-finite window itself, or its
-    # scale would never come down: _apply follows its decision instead.
+    if sums.total is not None:
+        checks.append(tf.greater(sums.total, 0, name="has_weight"))
     if config.skip_nonfinite and not config.loss_scaled:
-        checks.append(_all_finite(sums))
+        checks.append(all_finite(sums.pairs))
     if not checks:
         return None
     return checks[0] if len(checks) == 1 else tf.logical_and(checks[0], checks[1], name="usable")
 
 
-def _apply(config, sums, total, divide, global_step, outer_scope, done, skip, state, small=None):
-    averaged = _divided(sums, total if divide else None)
-    stats = state.stats
-    # The wrapped loss-scale optimizer skips a non-finite window on its own;
-    # the same test, on the same tensors, keeps the statistics out of it too.
-    finite = _all_finite(averaged) if config.loss_scaled else None
-    observed = []
-    if stats is not None:
-        def observe():
-            return stats.observe_big([g for g, _ in averaged], total, small_sums=small)
-        observed = [observe() if finite is None
-                    else tf.cond(finite, observe, tf.no_op, name="observe_if_finite")]
-    if config.clip_norm is not None:
-        grads, variables = zip(*averaged)
-        grads, _ = tf.clip_by_global_norm(list(grads), config.clip_norm, name="clip")
-        averaged = list(zip(grads, variables))
-    applier = config.reducer if config.reducer is not None else config.optimizer
-    apply = applier.apply_reduced if config.reducer is not None else applier.apply_gradients
+def _loss_scale_applies(config, averaged):
+    """With a wrapped loss-scale optimizer only: the test it makes itself, on the same tensors.
+
+    It must see a non-finite window, or its scale would never come down: such
+    a window is handed to it (it skips it) and counted as skipped.
+    """
+    return all_finite(averaged) if config.loss_scaled else None
+
+
+def _clip_and_apply(end, averaged, sums, updates, finite):
+    """Notify observers of the update, clip, apply and count ``global_step``; returns an op."""
+    config, state, global_step, outer_scope = end
+    observed = [op for observer, update in zip(state.observers, updates) for op in _ops(observer.applying(update))]
+    if finite is not None and observed:
+        observed = [tf.cond(finite, lambda: tf.group(*observed), tf.no_op, name="observe_if_finite")]
+    clipped = _clip(config, averaged, sums)
     # The wrapped optimizer's non-slot variables (Adam's beta powers) are
     # named from the current scope: use the caller's, as plain training would.
     graph = tf.compat.v1.get_default_graph()
     with tf.control_dependencies(observed), graph.name_scope(outer_scope + "/" if outer_scope else ""):
-        applied = counted_apply(applier, lambda gv: apply(gv, global_step=global_step), averaged, global_step,
-                                finite)
-    with tf.control_dependencies([applied]):
-        if finite is None:
-            return tf.group(*done(), name="reset")
-        return tf.cond(finite, lambda: tf.group(*done(), name="reset"), lambda: _skip(skip(), state),
-                       name="reset_or_skip")
+        apply = _apply_fn(config, global_step)
+        return counted_apply(config.applier, apply, clipped, global_step, finite)
+
+
+def _done(state, sums, updates):
+    """Notify observers that the window was applied, and reset."""
+    after = [op for observer, update in zip(state.observers, updates) for op in _ops(observer.applied(update))]
+    return tf.group(*(after + _reset(state, sums.rows)), name="reset")
+
+
+def _clip(config, averaged, sums):
+    """Clip by global norm, measured as ``tf.clip_by_global_norm`` measures the full batch's gradients.
+
+    TF measures a sparse gradient by its rows as given, a repeated row once per
+    occurrence; the window holds each row's sum. So the window keeps
+    ``sum_i w_i^2 |values_i|^2`` of its sparse rows and uses it, over the
+    squared total weight, in place of the summed rows' squared norm.
+    """
+    if config.clip_norm is None:
+        return averaged
+    grads, variables = zip(*averaged)
+    norm = None
+    if sums.sparse_sq is not None:
+        dtype = sums.sparse_sq.dtype.base_dtype
+        total = tf.cast(sums.total, dtype)
+        squares = [sums.sparse_sq / (total * total)] + [
+            tf.reduce_sum(tf.square(tf.cast(g, dtype))) for g in grads if not isinstance(g, tf.IndexedSlices)]
+        norm = tf.cast(tf.sqrt(tf.add_n(squares)), grads[0].dtype.base_dtype, name="global_norm")
+    clipped, _ = tf.clip_by_global_norm(list(grads), config.clip_norm, use_norm=norm, name="clip")
+    return list(zip(clipped, variables))
+
+
+def _apply_fn(config, global_step):
+    """The call that applies a window: the reducer's ``apply_reduced``, else ``apply_gradients``."""
+    if config.reducer is not None:
+        return lambda gv: config.reducer.apply_reduced(gv, global_step=global_step)
+    return lambda gv: config.applier.apply_gradients(gv, global_step=global_step)
 
 
 def counted_apply(applier, apply, grads_and_vars, global_step, finite=None):
@@ -506,17 +594,39 @@ def counted_apply(applier, apply, grads_and_vars, global_step, finite=None):
     return tf.group(applied, count)
 
 
-def _identity(grad):
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(tf.identity(grad.values), grad.indices, grad.dense_shape)
-    return tf.identity(grad)
+def _skip(state):
+    """A window not applied: reset, tell the observers, count it."""
+    ops = _reset(state) + _notify(state.observers, "skipped")
+    if state.skipped is None:
+        return tf.group(*ops, name="skip")
+    with tf.control_dependencies(ops):
+        return tf.group(state.skipped.assign_add(1), name="skip")
 
 
-def _increment(global_step):
-    with tf.compat.v1.colocate_with(global_step):
-        return tf.group(tf.compat.v1.assign_add(global_step, tf.ones([], global_step.dtype.base_dtype)))
+def _reset(state, rows=None):
+    """Zeroes the counters and the touched rows of sparse caches (nothing for k = 1).
+
+    Dense caches are left as they are: the next window's first micro-batch
+    overwrites them (``_write_or_add``), so they are never zeroed in a pass
+    of their own.
+    """
+    if state.micro_step is None:
+        return []
+    rows = rows or [None] * len(state.slots)
+    ops = [state.micro_step.assign(0, read_value=False), state.weight_sum.assign(0, read_value=False)]
+    if state.sparse_sq is not None:
+        ops.append(state.sparse_sq.assign(tf.zeros([], state.sparse_sq.dtype.base_dtype), read_value=False))
+    for slot, index in zip(state.slots, rows):
+        if slot.touched is None:
+            continue
+        index = touched_rows(slot.touched.read_value()) if index is None else index
+        with tf.control_dependencies([index]):
+            shape = tf.concat([tf.shape(index), tf.shape(slot.accum)[1:]], 0)
+            ops.append(tf.compat.v1.scatter_update(
+                slot.accum, index, tf.zeros(shape, slot.accum.dtype.base_dtype)))
+            ops.append(slot.touched.assign(tf.zeros(slot.touched.shape, slot.touched.dtype.base_dtype),
+                                           read_value=False))
+    return ops
 
 
 class keep_train_ops(object):
@@ -549,6 +659,47 @@ class keep_train_ops(object):
 # ---------------------------------------------------------------- helpers
 
 
+def _notify(observers, hook, *args):
+    return [op for observer in observers for op in _ops(getattr(observer, hook)(*args))]
+
+
+def _ops(result):
+    if result is None:
+        return []
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _identity(grad):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.identity(grad.values), grad.indices, grad.dense_shape)
+    return tf.identity(grad)
+
+
+def _increment(global_step):
+    with tf.compat.v1.colocate_with(global_step):
+        return tf.group(tf.compat.v1.assign_add(global_step, tf.ones([], global_step.dtype.base_dtype)))
+
+
+def _first(pairs):
+    return min((var for _, var in pairs), key=lambda v: v.name)
+
+
+def _has_sparse(pairs):
+    return any(isinstance(grad, tf.IndexedSlices) for grad, _ in pairs)
+
+
+def _sparse_sq_norm(grads, weight, dtype):
+    """``w^2 * sum |values|^2`` over the sparse gradients' rows, as TF's global norm counts them."""
+    squares = [tf.reduce_sum(tf.square(tf.cast(g.values, dtype))) for g in grads if isinstance(g, tf.IndexedSlices)]
+    total = tf.add_n(squares)
+    if weight is None:
+        return total
+    w = tf.cast(weight, dtype)
+    return total * w * w
+
+
 def _accumulator_dtype(var_dtype, minimum):
     """The wider of the variable's float dtype (at least float32) and ``minimum``."""
     if var_dtype not in _FLOAT_WIDTH:  # complex: keep as is
@@ -564,7 +715,7 @@ def _sum_dtype(pairs, minimum):
 
 
 def _window_sums(state, may_be_empty=False):
-    """The caches as ``(sum, variable)`` pairs (sparse ones as ``IndexedSlices``) and their rows.
+    """Sum: the caches as ``(sum, variable)`` pairs (sparse ones as ``IndexedSlices``), weight, rows.
 
     With ``may_be_empty`` (the manual ``apply_op``), dense sums read as zeros
     while ``micro_step`` is 0: the caches then still hold the last window's.
@@ -582,69 +733,14 @@ def _window_sums(state, may_be_empty=False):
     else:
         values = read()
     values = iter(values)
-    sums, rows = [], []
+    pairs, rows = [], []
     for slot in state.slots:
         if slot.touched is None:
-            sums.append((next(values), slot.var))
+            pairs.append((next(values), slot.var))
             rows.append(None)
             continue
-        index = _touched_rows(slot)
-        shape = tf.shape(slot.var, out_type=tf.int64)
-        sums.append((tf.IndexedSlices(tf.gather(slot.accum, index), index, dense_shape=shape), slot.var))
+        index = touched_rows(slot.touched.read_value())
+        pairs.append((sparse_again(slot.accum, None, slot.var, index), slot.var))
         rows.append(index)
-    return sums, rows
-
-
-def _divided(sums, total):
-    """``sum / total`` in each variable's dtype (``total`` None: just the cast); the one pass at window end."""
-    averaged = []
-    for grad, var in sums:
-        dtype = var.dtype.base_dtype
-        values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
-        if total is not None:
-            values = values / tf.cast(total, values.dtype.base_dtype)
-        values = tf.cast(values, dtype)
-        if isinstance(grad, tf.IndexedSlices):
-            values = tf.IndexedSlices(values, grad.indices, dense_shape=grad.dense_shape)
-        averaged.append((values, var))
-    return averaged
-
-
-def _touched_rows(slot):
-    return tf.reshape(tf.where(slot.touched.read_value() > 0), [-1])
-
-
-def _reset(state, window_stats, rows=None):
-    """Zeroes the counters, the window statistics and the touched rows of sparse caches.
-
-    Dense caches are left as they are: the next window's first micro-batch
-    overwrites them (``_write_or_add``), so they are never zeroed in a pass
-    of their own.
-    """
-    rows = rows or [None] * len(state.slots)
-    ops = [state.micro_step.assign(0, read_value=False), state.weight_sum.assign(0, read_value=False)]
-    ops.extend(stats.reset() for stats in window_stats)
-    for slot, index in zip(state.slots, rows):
-        if slot.touched is None:
-            continue
-        index = _touched_rows(slot) if index is None else index
-        with tf.control_dependencies([index]):
-            shape = tf.concat([tf.shape(index), tf.shape(slot.accum)[1:]], 0)
-            ops.append(tf.compat.v1.scatter_update(
-                slot.accum, index, tf.zeros(shape, slot.accum.dtype.base_dtype)))
-            ops.append(slot.touched.assign(tf.zeros(slot.touched.shape, slot.touched.dtype.base_dtype),
-                                           read_value=False))
-    return ops
-
-
-def _skip(resets, state):
-    ops = list(resets) + ([] if state.stats is None else [state.stats.discard()])
-    if state.skipped is None:
-        return tf.group(*ops, name="skip")
-    with tf.control_dependencies(ops):
-        return tf.group(state.skipped.assign_add(1), name="skip")
-
-
-def _all_finite(grads_and_vars):
-    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in grads_and_vars]
-    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]), name="all_finite")
+    sparse_sq = None if state.sparse_sq is None else state.sparse_sq.read_value()
+    return _Sums(pairs, state.weight_sum.read_value(), sparse_sq, rows)

@@ -33,46 +33,6 @@ def optimizer_chain(optimizer):
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
 
 
-def state_variable(name, shape, dtype, colocate_with):
-    """A zero-initialised global, non-trainable resource variable next to ``colocate_with``.
-
-    Args:
-      name: the variable's name.
-      shape: its shape.
-      dtype: its dtype.
-      colocate_with: a variable or op to colocate it with.
-
-    Returns:
-      The new ``tf.Variable`` (in ``GLOBAL_VARIABLES``: checkpoints save it).
-
-    Example:
-      >>> count = state_variable("micro_step", [], tf.int64, var)
-    """
-    with tf.compat.v1.colocate_with(colocate_with):
-        return tf.compat.v1.Variable(lambda: tf.zeros(shape, dtype), dtype=dtype, trainable=False, name=name,
-                                     collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES], use_resource=True)
-
-
-def weighted(values, weight):
-    """``values * weight`` in ``values``' dtype (``IndexedSlices`` stay sparse); ``values`` for None.
-
-    Args:
-      values: a gradient, a ``tf.Tensor`` or ``tf.IndexedSlices``.
-      weight: None, or a scalar (any real dtype; cast to the values').
-
-    Returns:
-      The weighted gradient, of the same kind as ``values``.
-
-    Example:
-      >>> weighted(grad, tf.shape(x)[0])
-    """
-    if weight is None:
-        return values
-    if isinstance(values, tf.IndexedSlices):
-        return tf.IndexedSlices(weighted(values.values, weight), values.indices, values.dense_shape)
-    return values * tf.cast(weight, values.dtype.base_dtype)
-
-
 class WrappingOptimizer(tf.compat.v1.train.Optimizer):
     """A ``tf.compat.v1.train.Optimizer`` that forwards to a wrapped one.
 

@@ -26,9 +26,13 @@ Logging: a train op with k > 1 and a ``global_step`` installs
 from gradaccum import _validate
 from gradaccum import _window
 from gradaccum import hooks
-from gradaccum._compat import in_control_flow, is_resource_variable, tf, v1_control_flow
+from gradaccum import statistics as _statistics
+from gradaccum._compat import in_control_flow, is_resource_variable, loss_scale_optimizer_types, tf, v1_control_flow
+from gradaccum._update_ops import split_update_ops
+from gradaccum._window_access import WindowAccess
 from gradaccum._wrapper import WrappingOptimizer, optimizer_chain
-from gradaccum.adaptive import AdaptiveBatch
+from gradaccum.observers import WindowObserver
+from gradaccum.reducers import Reducer
 
 _ACCUMULATION_DTYPES = (tf.float32, tf.float64)
 _EAGER_MESSAGE = (
@@ -39,7 +43,7 @@ _EAGER_MESSAGE = (
 Window = _window.Window
 
 
-class GradientAccumulator(WrappingOptimizer):
+class GradientAccumulator(WindowAccess, WrappingOptimizer):
     """Wraps a ``tf.compat.v1.train.Optimizer`` to apply once every k micro-batches.
 
     The train op is run once per micro-batch. Runs 1 to k-1 of a window only
@@ -55,10 +59,8 @@ class GradientAccumulator(WrappingOptimizer):
     ends. The loop feeds ``sess.run(opt.window_size)`` micro-batches per
     window (or just runs the train op once per micro-batch, as with an int).
 
-    When the wrapped optimizer has ``reduce_window`` (a collective reducer,
-    ``gradaccum.collective``), the window's un-normalised sums and weight are
-    reduced across workers once per window, skip or apply is decided on the
-    reduced values, and the average is applied with its ``apply_reduced``.
+    A wrapped :class:`gradaccum.Reducer` (the collective engine, the Horovod
+    adapter) combines each window across workers (``gradaccum.reducers``).
 
     Args:
       optimizer: the ``tf.compat.v1.train.Optimizer`` that applies the averaged
@@ -67,11 +69,13 @@ class GradientAccumulator(WrappingOptimizer):
         a scalar integer tensor or variable; a callable ``global_step ->
         scalar integer tensor`` (a schedule, such as :func:`gradaccum.batch_ramp`;
         needs ``global_step`` at ``minimize``); or a
-        :class:`gradaccum.AdaptiveBatch` (which turns ``statistics`` on).
-        A non-int k must evaluate to >= 1, or the run raises
-        ``InvalidArgumentError``.
+        :class:`gradaccum.AdaptiveBatch` (which turns ``statistics`` on, and
+        needs ``global_step`` too). A non-int k is read once per window,
+        when its first micro-batch arrives, and must then be >= 1, or that
+        run raises ``InvalidArgumentError``.
       clip_norm: ``None``, or a number > 0: the averaged gradients are clipped
-        by global norm once, just before they are applied.
+        by global norm once, just before they are applied; the norm is
+        ``tf.clip_by_global_norm``'s of the full batch's gradients.
       accumulation_dtype: ``None``, ``tf.float32`` or ``tf.float64``: the
         narrowest dtype the caches use. ``None`` keeps the variable's dtype
         (float32 for float16/bfloat16 variables). ``tf.float64`` keeps sums of
@@ -83,12 +87,16 @@ class GradientAccumulator(WrappingOptimizer):
         is counted and reset the same way, with or without this flag).
       statistics: when True, keep the gradient noise scale of each window
         (``gradaccum.statistics``; read it from :attr:`statistics`).
+      observers: ``None`` or a list of :class:`gradaccum.WindowObserver`.
+      loss_scaling: whether the wrapped optimizer skips non-finite updates
+        itself; ``None``: True when it is, or wraps, TF's loss-scale optimizer.
       name: the name scope of the ops and of the state variables.
 
     Raises:
       TypeError: when ``optimizer`` is not a v1 optimizer, or is itself a
-        ``GradientAccumulator``; when ``clip_norm`` is not a number, or
-        ``skip_nonfinite`` or ``statistics`` not a bool.
+        ``GradientAccumulator``; when ``clip_norm`` is not a number,
+        ``skip_nonfinite``, ``statistics`` or ``loss_scaling`` not a bool,
+        or ``observers`` not a list of ``WindowObserver``.
       ValueError: when ``num_micro_batches`` is not an int >= 1, a scalar
         integer tensor, a callable or a policy, ``clip_norm``
         is not > 0, ``accumulation_dtype`` is not float32 or float64, or
@@ -104,29 +112,34 @@ class GradientAccumulator(WrappingOptimizer):
     """
 
     def __init__(self, optimizer, num_micro_batches, *, clip_norm=None, accumulation_dtype=None,
-                 skip_nonfinite=False, statistics=False, name="GradientAccumulator"):
+                 skip_nonfinite=False, statistics=False, observers=None, loss_scaling=None,
+                 name="GradientAccumulator"):
         super(GradientAccumulator, self).__init__(optimizer, name)  # Checks `optimizer` and `name` first.
         if isinstance(optimizer, GradientAccumulator):
             raise TypeError(
                 "`optimizer` is already a GradientAccumulator (num_micro_batches=%r); nest nothing, "
                 "use one GradientAccumulator with the product of the counts" % (optimizer.num_micro_batches,)
             )
-        self._k, self._size_fn, self._schedule = _window_sizes(num_micro_batches)
+        self._size = _window_size(num_micro_batches)
         self._given = num_micro_batches
-        self._policy = num_micro_batches if isinstance(num_micro_batches, AdaptiveBatch) else None
+        given = _check_observers(observers)
+        # A policy that sizes windows also watches them (AdaptiveBatch).
+        given += [num_micro_batches] if isinstance(num_micro_batches, WindowObserver) else []
         self._clip_norm = _validate.check_positive_number(clip_norm, "clip_norm")
         self._accumulation_dtype = _check_accumulation_dtype(accumulation_dtype)
         self._skip_nonfinite = _validate.check_bool(skip_nonfinite, "skip_nonfinite")
-        self._use_statistics = _validate.check_bool(statistics, "statistics") or self._policy is not None
+        self._use_statistics = (_validate.check_bool(statistics, "statistics")
+                                or any(observer.uses_statistics for observer in given))
+        self._observers = ([_statistics.create] if self._use_statistics else []) + [
+            (lambda observer: lambda pairs, dtype: observer)(observer) for observer in given]
         # Facts about the wrapped chain, which never changes: read once, not per build step.
-        self._reducer = _reducer(optimizer)
-        self._loss_scaled = _skips_nonfinite(optimizer)
+        self._reducer = optimizer if isinstance(optimizer, Reducer) else None
+        self._loss_scaled = _loss_scaled(optimizer, loss_scaling)
         self._windows = []
 
     # ------------------------------------------------------------------ API
 
-    def __repr__(self):
-        # Keras 3's compile() rejects a TF1 optimizer with only its repr: say there what to use.
+    def __repr__(self):  # Keras 3's compile() shows only this: say there what to use.
         return ("<GradientAccumulator(%s, num_micro_batches=%r): a tf.compat.v1 optimizer for graph "
                 "mode and Keras 2 (tf_keras with TF_USE_LEGACY_KERAS=1); Keras 3 takes no TF1 "
                 "optimizer, use its own gradient_accumulation_steps there>"
@@ -135,20 +148,7 @@ class GradientAccumulator(WrappingOptimizer):
     @property
     def num_micro_batches(self):
         """The micro-batches per applied update, as given (the int, tensor, callable or policy)."""
-        return self._k if self._size_fn is None else self._given
-
-    @property
-    def window_size(self):
-        """int64 scalar tensor: the micro-batches to feed for the window in progress,
-        or for the next one when none is (a constant for an int k)."""
-        return self._window_field("size")
-
-    @property
-    def window_ended(self):
-        """bool scalar tensor: True when no window is in progress, so after a train-op
-        run, True when that run applied its window (or skipped it: see
-        :attr:`skipped_windows`)."""
-        return self._window_field("ended")
+        return self._given if self._size.k is None else self._size.k
 
     @property
     def clip_norm(self):
@@ -201,7 +201,7 @@ class GradientAccumulator(WrappingOptimizer):
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
         if update_ops is None:
             update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
-        weighted_grads = self._weight_in_backprop(loss, weight, var_list)
+        weighted_grads = _weight_in_backprop(self, loss, weight, var_list)
         if weighted_grads:
             # Backprop carries the weight from the loss to every gradient for free,
             # where the accumulate kernel would multiply each one on every micro-step.
@@ -214,7 +214,7 @@ class GradientAccumulator(WrappingOptimizer):
             raise ValueError(
                 "No gradients provided for any variable, check your graph for ops that do not support "
                 "gradients, between variables %s and loss %s." % ([str(v) for _, v in grads_and_vars], loss))
-        return self._build(grads_and_vars, global_step, name, weight, update_ops, None, weighted_grads)
+        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, [], None, weighted_grads))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None,
                         update_ops=None, small_batches=None):
@@ -260,32 +260,10 @@ class GradientAccumulator(WrappingOptimizer):
           >>> grads_and_vars = opt.compute_gradients(loss)
           >>> train_op = opt.apply_gradients(grads_and_vars, global_step)
         """
-        return self._build(grads_and_vars, global_step, name, weight, update_ops, small_batches, False)
+        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, [], small_batches, False))
 
-    def _weight_in_backprop(self, loss, weight, var_list):
-        """Whether ``minimize`` folds ``weight`` into ``grad_loss`` (k > 1 windows only).
-
-        Not with statistics, which need each micro-batch's unweighted gradients,
-        nor under a loss-scale optimizer, whose overflow test would then see the
-        weighted gradients, nor for a callable loss, whose shape is not known yet,
-        nor where a cache is wider than its gradient (``accumulation_dtype``,
-        half-precision variables): the product is then taken in the cache's
-        dtype. Nor across processes (a reducer, or collective ops behind the
-        loss, as in worker-synchronised batch norm): there each worker's
-        backward pass mixes in the others', which carry their own weights, so
-        scaling it is not scaling the gradient.
-        """
-        if weight is None or self._k == 1 or self._use_statistics or callable(loss):
-            return False
-        dtype = tf.convert_to_tensor(loss).dtype.base_dtype
-        variables = tf.compat.v1.trainable_variables() if var_list is None else var_list
-        return (dtype in _ACCUMULATION_DTYPES and self._accumulation_dtype in (None, dtype)
-                and all(v.dtype.base_dtype == dtype for v in variables)
-                and not self._loss_scaled and self._reducer is None
-                and not _crosses_processes(loss))
-
-    def _build(self, grads_and_vars, global_step, name, weight, update_ops, small_batches, weighted_grads):
-        """``apply_gradients``; ``weighted_grads``: the gradients already carry ``weight``."""
+    def _build(self, grads_and_vars, step):
+        """``apply_gradients`` for one :data:`gradaccum._window.Step` (its update ops not yet split)."""
         _check_graph_mode()
         if in_control_flow():
             raise ValueError(
@@ -294,150 +272,80 @@ class GradientAccumulator(WrappingOptimizer):
                 "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % self.get_name()
             )
         grads_and_vars, pairs = _checked_pairs(grads_and_vars)
-        weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
-        if self._schedule and global_step is None:
-            raise ValueError("a callable `num_micro_batches` is a schedule of `global_step`: pass "
-                             "`global_step` to minimize or apply_gradients, got None")
-        update_ops = [] if update_ops is None else list(update_ops)
-        ref_flow = any(not is_resource_variable(var) for var in [v for _, v in pairs] + [global_step]
+        weight = _validate.check_scalar_tensor(step.weight, "weight", allow_none=True)
+        if self._size.needs_global_step and step.global_step is None:
+            raise ValueError("`num_micro_batches` %r is a schedule of `global_step` (a callable or a policy): "
+                             "pass `global_step` to minimize or apply_gradients, got None" % (self._given,))
+        update_ops = [] if step.update_ops is None else list(step.update_ops)
+        # k = 1 has no window to pool statistics over: every update op is a plain one.
+        plain, observers = (update_ops, []) if self._size.k == 1 else split_update_ops(update_ops)
+        step = step._replace(weight=weight, update_ops=plain, observers=observers)
+        ref_flow = any(not is_resource_variable(var) for var in [v for _, v in pairs] + [step.global_step]
                        if var is not None)
-        config = _window.Config(self._optimizer, self._name, self._k, self._size_fn, self._policy,
-                                self._clip_norm, self._accumulation_dtype, self._skip_nonfinite,
-                                self._use_statistics, self._reducer, self._loss_scaled, ref_flow)
+        config = _window.Config(self._reducer or self._optimizer, self._name, self._size, self._clip_norm,
+                                self._accumulation_dtype, self._skip_nonfinite, self._observers, self._reducer,
+                                self._loss_scaled, ref_flow)
         graph = tf.compat.v1.get_default_graph()
         with v1_control_flow(ref_flow), _window.keep_train_ops(graph):
-            window = _window.build(config, grads_and_vars, pairs, weight, global_step, name, update_ops,
-                                   small_batches, weighted_grads)
+            window = _window.build(config, grads_and_vars, pairs, step)
         graph.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, window.train_op)
         self._windows.append(window)
-        if self._k != 1 and global_step is not None:
+        if self._size.k != 1 and step.global_step is not None:
             hooks.install_global_step_warning_filter()
         return window.train_op
-
-    # -------------------------------------------------- state, after building
-
-    @property
-    def windows(self):
-        """The ``Window`` of every train op built, in build order (all graphs)."""
-        return list(self._windows)
-
-    @property
-    def accumulate_op(self):
-        """Adds the current micro-batch's gradients; never applies (manual pattern)."""
-        return self._window_field("accumulate_op")
-
-    @property
-    def apply_op(self):
-        """Applies ``cache / weight_sum`` whatever the count, increments
-        ``global_step`` and resets. Needs no feed; never recomputes gradients.
-        A window whose weight is zero is skipped and counted instead."""
-        return self._window_field("apply_op")
-
-    @property
-    def zero_op(self):
-        """Resets the caches, ``micro_step`` and ``weight_sum`` without applying."""
-        return self._window_field("zero_op")
-
-    @property
-    def micro_step(self):
-        """int64 variable: micro-batches added since the last apply or reset."""
-        return self._window_field("micro_step")
-
-    @property
-    def weight_sum(self):
-        """tf.Variable: the weight added since the last apply or reset."""
-        return self._window_field("weight_sum")
-
-    @property
-    def skipped_windows(self):
-        """int64 variable: windows not applied because their total weight was zero
-        or their sum was not finite (``skip_nonfinite``, or a wrapped loss-scale
-        optimizer's overflow)."""
-        return self._window_field("skipped_windows")
-
-    @property
-    def accumulators(self):
-        """The cache variables, one per variable with a gradient (none with k = 1)."""
-        return list(self._single_window().accumulators)
-
-    @property
-    def statistics(self):
-        """The window's ``gradaccum.statistics.GradientStatistics`` (``statistics=True``)."""
-        return self._window_field("statistics")
-
-    @property
-    def state_variables(self):
-        """This accumulator's own variables in the current graph, sorted by name.
-
-        Every window's caches, row flags, counters and statistics: what
-        ``variables()`` adds to the wrapped optimizer's. They are in
-        ``GLOBAL_VARIABLES``, so ``Saver()`` and
-        ``global_variables_initializer()`` include them; code that initialises
-        or saves only ``opt.optimizer.variables()`` must add these.
-        """
-        graph = tf.compat.v1.get_default_graph()
-        return sorted((v for v in self._own_variables() if v.graph is graph), key=lambda v: v.name)
-
-    # ------------------------------------------------------------ building
-
-    def _own_variables(self):
-        found = [] if self._policy is None else list(self._policy.variables)
-        for window in self._windows:
-            found.extend(window.state_variables())
-        return found
-
-    def _single_window(self):
-        if not self._windows:
-            raise ValueError("GradientAccumulator %r has no train op yet: call `minimize` or "
-                             "`apply_gradients` first" % self.get_name())
-        graph = tf.compat.v1.get_default_graph()
-        found = [w for w in self._windows if w.train_op.graph is graph] or self._windows
-        if len(found) > 1:
-            raise ValueError("GradientAccumulator %r built %d train ops, each with its own window: "
-                             "take the one you mean from `windows`" % (self.get_name(), len(found)))
-        return found[0]
-
-    def _window_field(self, field):
-        value = getattr(self._single_window(), field)
-        if value is None:
-            raise ValueError(
-                "GradientAccumulator %r has no `%s`: %s" % (self.get_name(), field, _MISSING.get(field, _K1)))
-        return value
 
 
 # ---------------------------------------------------------------- helpers
 
-_K1 = "with num_micro_batches=1 it keeps no window (no cache, no counter); run its train op"
-_MISSING = {
-    "skipped_windows": "nothing can skip a window here (k = 1 without `weight`, `skip_nonfinite`, "
-                       "a reducer or statistics)",
-    "statistics": "create it with GradientAccumulator(..., statistics=True)",
-}
+def _weight_in_backprop(accumulator, loss, weight, var_list):
+    """Whether ``minimize`` folds ``weight`` into ``grad_loss`` (k > 1 windows only).
+
+    Not with statistics, which need each micro-batch's unweighted gradients,
+    nor under a loss-scale optimizer, whose overflow test would then see the
+    weighted gradients, nor for a callable loss, whose shape is not known yet,
+    nor where a cache is wider than its gradient (``accumulation_dtype``,
+    half-precision variables): the product is then taken in the cache's
+    dtype. Nor across processes (a reducer, or collective ops behind the
+    loss, as in worker-synchronised batch norm): there each worker's
+    backward pass mixes in the others', which carry their own weights, so
+    scaling it is not scaling the gradient.
+    """
+    if weight is None or accumulator._size.k == 1 or accumulator._use_statistics or callable(loss):
+        return False
+    dtype = tf.convert_to_tensor(loss).dtype.base_dtype
+    variables = tf.compat.v1.trainable_variables() if var_list is None else var_list
+    return (dtype in _ACCUMULATION_DTYPES and accumulator._accumulation_dtype in (None, dtype)
+            and all(v.dtype.base_dtype == dtype for v in variables)
+            and not accumulator._loss_scaled and accumulator._reducer is None
+            and not _crosses_processes(loss))
 
 
-def _window_sizes(num_micro_batches):
-    """``(k, size_fn, is_schedule)``: the static int k, or ``None`` and ``size_fn(global_step)``."""
-    if isinstance(num_micro_batches, AdaptiveBatch):
-        return None, num_micro_batches.num_micro_batches, False
+def _window_size(num_micro_batches):
+    """The :class:`gradaccum._window.WindowSize` of ``num_micro_batches``, checked."""
     if isinstance(num_micro_batches, (tf.Tensor, tf.Variable)):
         tensor = num_micro_batches
-        if not tensor.dtype.base_dtype.is_integer or tensor.shape.ndims not in (None, 0):
+        dtype = tensor.dtype.base_dtype
+        if dtype == tf.bool or not dtype.is_integer or tensor.shape.ndims not in (None, 0):
             raise ValueError("`num_micro_batches` must be an int >= 1 or a scalar integer tensor, got %s"
                              % _validate.describe(tensor))
-        return None, lambda global_step: tensor, False
+        return _window.WindowSize(fn=lambda global_step: tensor)
     if callable(num_micro_batches):
-        return None, num_micro_batches, True
-    return _validate.check_positive_int(num_micro_batches, "num_micro_batches"), None, False
+        return _window.WindowSize(fn=num_micro_batches, needs_global_step=True)
+    return _window.WindowSize(k=_validate.check_positive_int(num_micro_batches, "num_micro_batches"))
+
+
+def _check_observers(observers):
+    if observers is None:
+        return []
+    if not isinstance(observers, (list, tuple)) or not all(isinstance(o, WindowObserver) for o in observers):
+        raise TypeError("`observers` must be None or a list of gradaccum.WindowObserver, got %s"
+                        % _validate.describe(observers))
+    return list(observers)
 
 
 def _check_graph_mode():
     if tf.executing_eagerly():
         raise RuntimeError(_EAGER_MESSAGE)
-
-
-def _reducer(optimizer):
-    """The wrapped optimizer when it reduces windows across workers (interface B), else None."""
-    return optimizer if callable(getattr(optimizer, "reduce_window", None)) else None
 
 
 def _check_accumulation_dtype(dtype):
@@ -511,12 +419,9 @@ def _weighted_grad_loss(loss, grad_loss, weight):
     return ones * tf.cast(weight, loss.dtype.base_dtype)
 
 
-def _skips_nonfinite(optimizer):
-    """Whether ``optimizer``, or one it wraps, is TF's loss-scale optimizer.
-
-    Such an optimizer skips an update whose gradients are not all finite
-    (and lowers its loss scale); its class names differ between TF 1.15's
-    ``tf.train.experimental``, contrib and ``tf.compat.v1.mixed_precision``.
-    """
-    return any(cls.__name__.endswith("LossScaleOptimizer")
-               for wrapped in optimizer_chain(optimizer) for cls in type(wrapped).__mro__)
+def _loss_scaled(optimizer, loss_scaling):
+    """Whether ``optimizer``, or one it wraps, skips non-finite updates itself (TF's loss-scale optimizer)."""
+    if loss_scaling is not None:
+        return _validate.check_bool(loss_scaling, "loss_scaling")
+    types = loss_scale_optimizer_types()
+    return any(isinstance(wrapped, types) for wrapped in optimizer_chain(optimizer))

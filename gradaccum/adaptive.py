@@ -34,12 +34,20 @@ import numbers
 
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum._state import state_variable
+from gradaccum.observers import WindowObserver
+from gradaccum.statistics import GradientStatistics
 
 _RULES = ("sgd", "adam")
 
 
-class AdaptiveBatch(object):
+class AdaptiveBatch(WindowObserver):
     """A window-size policy driven by the gradient noise scale (pass it as ``num_micro_batches``).
+
+    It is two things to the accumulator: a window-size source (calling it
+    with ``global_step`` gives the next window's k, so the accumulator needs
+    ``global_step``), and a window observer (``gradaccum.observers``) that
+    sets the next k after each applied window, from the window's statistics.
 
     Args:
       micro_batch_size: examples per micro-batch (an int >= 1): the noise
@@ -51,7 +59,8 @@ class AdaptiveBatch(object):
         windows use it.
       max_micro_batches: the largest k, an int >= ``min_micro_batches``.
       threshold: k changes only when the target batch differs from the
-        current one by more than this fraction of it (a number >= 0).
+        current one by more than this fraction of it (a number >= 0):
+        ``|target - k| > threshold * k``, up or down.
       base_batch: the batch, in examples, the learning rate was tuned for;
         ``None`` means ``min_micro_batches * micro_batch_size``.
       rule: ``"adam"`` (square root of the gain) or ``"sgd"`` (the gain).
@@ -91,6 +100,8 @@ class AdaptiveBatch(object):
         self._name = _validate.check_name(name)
         self._state = {}  # graph -> (k, multiplier)
 
+    uses_statistics = True
+
     def __repr__(self):
         return ("AdaptiveBatch(micro_batch_size=%d, factor=%g, min_micro_batches=%d, max_micro_batches=%d, "
                 "threshold=%g, base_batch=%g, rule=%r)" % (self._micro, self._factor, self._min, self._max,
@@ -110,6 +121,15 @@ class AdaptiveBatch(object):
     def learning_rate_multiplier(self):
         """float32 scalar tensor: the gain to multiply the learning rate by (see the module)."""
         return self._variables()[1].read_value()
+
+    def __call__(self, global_step):
+        """The next window's k: :meth:`num_micro_batches` (the window-size source)."""
+        return self.num_micro_batches(global_step)
+
+    def applied(self, update):
+        """After an applied window: :meth:`update` from the window's statistics (an observer)."""
+        stats = [o for o in update.observers if isinstance(o, GradientStatistics)]
+        return [self.update(stats[0])]
 
     def num_micro_batches(self, global_step=None):
         """The k the next window gets (int64 scalar tensor); ``global_step`` is not used.
@@ -169,8 +189,9 @@ class AdaptiveBatch(object):
             current = k_var.read_value()
             target = tf.cast(tf.round(self._factor * noise / self._micro), tf.int64)
             target = tf.clip_by_value(target, self._min, self._max)
-            ratio = tf.cast(target, tf.float32) / tf.cast(current, tf.float32)
-            material = tf.logical_or(ratio > 1.0 + self._threshold, ratio < 1.0 / (1.0 + self._threshold))
+            # "More than the threshold", both ways: 20 -> 15 at 25% is not a change.
+            change = tf.abs(tf.cast(target - current, tf.float64))
+            material = change > self._threshold * tf.cast(current, tf.float64)
             new_k = tf.compat.v1.where(tf.logical_and(usable, material), target, current)
             new_rate = tf.compat.v1.where(usable, self.gain(noise, new_k * self._micro), rate_var.read_value())
             with tf.control_dependencies([new_k, new_rate]):
@@ -183,8 +204,8 @@ class AdaptiveBatch(object):
             graph = tf.compat.v1.get_default_graph()
             if graph not in self._state:
                 with tf.compat.v1.name_scope(self._name):
-                    k = _variable("num_micro_batches", tf.constant(self._min, tf.int64))
-                    rate = _variable("learning_rate_multiplier", tf.constant(self._start_rate(), tf.float32))
+                    k = state_variable("num_micro_batches", [], tf.int64, initial=self._min)
+                    rate = state_variable("learning_rate_multiplier", [], tf.float32, initial=self._start_rate())
                 self._state[graph] = (k, rate)
         return self._state[graph]
 
@@ -195,7 +216,3 @@ class AdaptiveBatch(object):
         scale = self._min * self._micro / self._base
         return math.sqrt(min(1.0, scale)) if self._rule == "adam" else min(1.0, scale)
 
-
-def _variable(name, initial):
-    return tf.compat.v1.Variable(lambda: initial, trainable=False, name=name, use_resource=True,
-                                 collections=[tf.compat.v1.GraphKeys.GLOBAL_VARIABLES])

@@ -87,6 +87,8 @@ from gradaccum import _tower_context
 from gradaccum import _validate
 from gradaccum import _update_ops
 from gradaccum._compat import tf
+from gradaccum._state import state_variable
+from gradaccum.observers import WindowObserver
 
 DEFAULT_NAME = "batch_normalization"
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -101,11 +103,10 @@ def batch_normalization(inputs, training, *, axis=-1, momentum=0.99, epsilon=1e-
     axis=..., momentum=..., epsilon=..., center=..., scale=..., name=...)``.
     Outside ``gradaccum.tower.minimize`` and outside a ``GradientAccumulator``
     window it equals that layer (same kernel path, see the module docstring).
-    Inside ``tower.minimize`` training mode uses the statistics of all towers'
-    shards together, inside ``gradaccum.collective.synchronized_batch_norm``
-    those of all workers' batches; under a ``GradientAccumulator`` the moving statistics move
-    once per applied update, from the whole window. Inference mode always uses
-    the moving statistics.
+    Training mode uses the statistics of all towers' shards inside
+    ``tower.minimize``, of all workers' batches inside
+    ``synchronized_batch_norm``; under a ``GradientAccumulator`` the moving
+    statistics move once per applied update, from the whole window.
 
     Args:
       inputs: a float16, bfloat16, float32 or float64 tensor of known rank >= 2
@@ -472,13 +473,15 @@ def _when(condition, decay):
     return tf.compat.v1.where(condition, decay, tf.zeros_like(decay))
 
 
-class WindowStatistics(object):
+class WindowStatistics(WindowObserver):
     """One training-mode call's batch statistics, per run and per accumulation window.
 
-    The object of interface A (``gradaccum._update_ops``): ``update_op`` is the TF
-    layer's per-run update of the moving averages; ``accumulate()``,
-    ``finalize()`` and ``reset()`` are what a ``GradientAccumulator`` runs
-    instead when k > 1. Built by :func:`batch_normalization`; not public.
+    ``update_op`` is the TF layer's per-run update of the moving averages, in
+    ``UPDATE_OPS``; the object itself is in ``gradaccum._update_ops``'
+    collection, and a ``GradientAccumulator`` with k > 1 runs it as a window
+    observer (``gradaccum.observers``) instead: :meth:`accumulate` on every
+    micro-batch, :meth:`finalize` after an applied window, :meth:`reset` on
+    a skipped or reset one. Built by :func:`batch_normalization`; not public.
 
     Args:
       layer: the call's ``_Layer``.
@@ -510,6 +513,16 @@ class WindowStatistics(object):
     def wait_for(self, tensors):
         """Makes ``update_op`` also run ``tensors`` (the other towers' statistics)."""
         _compat.add_control_inputs(self.update_op, tensors)
+
+    def added(self, micro_batch):
+        """:meth:`accumulate` (a window observer)."""
+        del micro_batch
+        return self.accumulate()
+
+    def applied(self, update):
+        """:meth:`finalize` (a window observer)."""
+        del update
+        return self.finalize()
 
     def accumulate(self):
         """Op folding this run's statistics into the window (Chan et al.'s pairwise update).
@@ -585,10 +598,8 @@ class WindowStatistics(object):
 
 def _window_variables(channels):
     """``(count, mean, m2)`` in float64: a mean far from 0 keeps its digits."""
-    zeros = tf.zeros([channels], tf.float64)
-    return (tf.compat.v1.Variable(tf.zeros([], tf.float64), trainable=False, name="window_count"),
-            tf.compat.v1.Variable(zeros, trainable=False, name="window_mean"),
-            tf.compat.v1.Variable(zeros, trainable=False, name="window_m2"))
+    return (state_variable("window_count", [], tf.float64), state_variable("window_mean", [channels], tf.float64),
+            state_variable("window_m2", [channels], tf.float64))
 
 
 def _masked(value, training):

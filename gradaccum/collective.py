@@ -55,7 +55,8 @@ import itertools
 from gradaccum import _tower_context
 from gradaccum import _validate
 from gradaccum._compat import collective_broadcast, collective_sum, tf, v1_control_flow
-from gradaccum._wrapper import WrappingOptimizer, weighted
+from gradaccum._gradients import densified, normalized, sparse_again, weighted
+from gradaccum.reducers import Reducer
 
 GROUP_KEY = 0x6761
 """The collective group key of the compute tasks (chief and workers)."""
@@ -156,22 +157,7 @@ def _check_static(tensor, what):
     return tensor
 
 
-def _densified(grad, var):
-    """An ``IndexedSlices`` as (dense sum over its rows, per-row touched flags)."""
-    rows = var.shape.as_list()[0]
-    values = grad.values
-    dense = tf.math.unsorted_segment_sum(values, grad.indices, rows)
-    ones = tf.ones_like(grad.indices, dtype=values.dtype.base_dtype)
-    touched = tf.minimum(tf.math.unsorted_segment_sum(ones, grad.indices, rows), 1)
-    return dense, touched
-
-
-def _sparse_again(dense, touched, var):
-    index = tf.reshape(tf.where(touched > 0), [-1])
-    return tf.IndexedSlices(tf.gather(dense, index), index, dense_shape=tf.shape(var, out_type=tf.int64))
-
-
-class CollectiveAllReduce(WrappingOptimizer):
+class CollectiveAllReduce(Reducer):
     """Sums each update's gradients over the workers with TF's collective all-reduce.
 
     Between-graph: every worker builds the same graph, runs its own session
@@ -180,8 +166,8 @@ class CollectiveAllReduce(WrappingOptimizer):
     same start, :func:`broadcast_variables`).
 
     * Inside a ``GradientAccumulator`` (the accumulator wraps this
-      optimizer) it communicates once per applied update, never per
-      micro-batch: each worker contributes ``sum_i w_i * g_i`` over its window
+      optimizer) it is the window's reducer (``gradaccum.reducers``) and
+      communicates once per applied update, never per micro-batch: each worker contributes ``sum_i w_i * g_i`` over its window
       and ``sum_i w_i``, so workers with different batch sizes, different
       weights, or an empty window (weight 0) still give the global weighted
       mean; a window skipped for zero total weight or (``skip_nonfinite``) a
@@ -309,62 +295,68 @@ class CollectiveAllReduce(WrappingOptimizer):
         return collective_sum(piece, self._size, GROUP_KEY, next(_instance_keys), self._timeout,
                               device=_device(self._config))
 
-    def reduce_window(self, sums_and_vars, weight):
-        """Sums the window's local sums and weight over the workers (interface B).
+    def reduce(self, sums_and_vars, total, extras):
+        """Sums the window's local sums, weight and extra scalars over the workers, in one exchange.
+
+        Dense sums, sparse ones (densified, with their touched-row flags),
+        the extra scalars and the weight are packed into buffers of at most
+        ``buffer_bytes``, one all-reduce each.
 
         Args:
           sums_and_vars: list of ``(sum, variable)``: ``sum_i w_i * g_i`` of
             this worker's window, dense tensors or ``IndexedSlices``.
-          weight: scalar tensor, ``sum_i w_i`` of this worker's window.
+          total: scalar tensor, ``sum_i w_i`` of this worker's window.
+          extras: list of scalar tensors (statistics' sums, a clip's norm).
 
         Returns:
-          ``(reduced_sums_and_vars, reduced_weight)``: the same structure,
-          summed over every worker (an ``IndexedSlices`` stays one, over the
-          rows any worker touched).
+          ``(sums_and_vars, total, extras)``: the same structure, summed over
+          every worker (an ``IndexedSlices`` stays one, over the rows any
+          worker touched).
 
         Raises:
           ValueError: for a gradient or variable without a fully defined shape.
 
         Example:
-          >>> sums, total = opt.reduce_window(sums_and_vars, weight_sum)
+          >>> sums, total, extras = opt.reduce(sums_and_vars, weight_sum, [])
         """
         if self._size == 1:
-            return list(sums_and_vars), weight
+            return list(sums_and_vars), total, list(extras)
         with tf.compat.v1.name_scope(self._name + "_reduce"):
             flat, layout = [], []
             for grad, var in sums_and_vars:
                 if isinstance(grad, tf.IndexedSlices):
                     _check_static(var, "variable %r" % var.op.name)
-                    flat.extend(_densified(grad, var))
+                    flat.extend(densified(grad, var))
                     layout.append(2)
                 else:
                     flat.append(_check_static(tf.convert_to_tensor(grad), "the gradient of %r" % var.op.name))
                     layout.append(1)
-            flat.append(tf.reshape(weight, []))
+            flat.extend(tf.reshape(value, []) for value in extras)
+            flat.append(tf.reshape(total, []))
             self._bytes = 0
             reduced, self._all_reduces = _packed(flat, self._buffer_bytes, self._all_reduce)
         out, position = [], 0
         for (grad, var), width in zip(sums_and_vars, layout):
             part = reduced[position:position + width]
-            out.append((part[0] if width == 1 else _sparse_again(part[0], part[1], var), var))
+            out.append((part[0] if width == 1 else sparse_again(part[0], part[1], var), var))
             position += width
-        return out, reduced[-1]
+        return out, reduced[-1], list(reduced[position:-1])
 
-    def apply_reduced(self, grads_and_vars, global_step=None, name=None):
-        """Applies already reduced gradients through the wrapped optimizer, without communicating.
+    def reduce_window(self, sums_and_vars, weight):
+        """:meth:`reduce` without extra scalars: ``(reduced_sums_and_vars, reduced_weight)``.
 
         Args:
-          grads_and_vars: list of ``(gradient, variable)``.
-          global_step: optional variable, incremented by the wrapped optimizer.
-          name: optional name of the returned op.
+          sums_and_vars: as :meth:`reduce`.
+          weight: as ``total`` in :meth:`reduce`.
 
         Returns:
-          The wrapped optimizer's apply op.
+          ``(reduced_sums_and_vars, reduced_weight)``.
 
         Example:
-          >>> train_op = opt.apply_reduced(averaged, global_step)
+          >>> sums, total = opt.reduce_window(sums_and_vars, weight_sum)
         """
-        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        sums, total, _ = self.reduce(sums_and_vars, weight, [])
+        return sums, total
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None):
         """Reduces ``weight * grad`` and ``weight`` over the workers, divides, applies.
@@ -401,8 +393,7 @@ class CollectiveAllReduce(WrappingOptimizer):
             sums, total = self.reduce_window([(weighted(g, total), v) for g, v in pairs], total)
 
             def apply():
-                inverse = 1.0 / total
-                averaged = [(weighted(g, inverse), v) for g, v in sums]
+                averaged = normalized(sums, total)
                 with tf.compat.v1.get_default_graph().name_scope(outer + "/" if outer else ""):
                     return tf.group(self.apply_reduced(averaged, global_step=global_step))
 
@@ -517,13 +508,15 @@ def synchronized_batch_norm(config, *, timeout_seconds=None):
     return _tower_context.WorkerScope(size, GROUP_KEY, _device(config), timeout)
 
 
-class AllReduceOnApply(WrappingOptimizer):
+class AllReduceOnApply(Reducer):
     """Reduces gradients across processes when, and only when, they are applied.
 
     Put it INSIDE a ``GradientAccumulator``: the accumulator adds local
-    micro-batch gradients without communication and hands their average to
-    this optimizer's ``apply_gradients`` once per window, which all-reduces it
-    and applies it. ``hvd.DistributedOptimizer`` instead reduces in
+    micro-batch gradients without communication and, as the window's reducer
+    (``gradaccum.reducers``), hands their average to this optimizer's
+    :meth:`apply_reduced` once per window, which all-reduces it and applies
+    it. Its :meth:`~gradaccum.Reducer.reduce` keeps the window local, so
+    skip decisions and statistics are each process's own. ``hvd.DistributedOptimizer`` instead reduces in
     ``compute_gradients``, i.e. on every micro-batch. Every process must run
     the same number of micro-batches, so that all reach the reduce together.
 
@@ -560,6 +553,22 @@ class AllReduceOnApply(WrappingOptimizer):
             raise TypeError("`all_reduce` must be callable (gradient -> reduced gradient), got %s"
                             % _validate.describe(all_reduce))
         self._all_reduce = all_reduce
+
+    def apply_reduced(self, grads_and_vars, global_step=None, name=None):
+        """:meth:`apply_gradients`: the window's average, all-reduced, then applied.
+
+        Args:
+          grads_and_vars: list of ``(gradient, variable)``: the window's mean.
+          global_step: optional variable, incremented by the wrapped optimizer.
+          name: optional name of the returned op.
+
+        Returns:
+          The wrapped optimizer's apply op.
+
+        Example:
+          >>> train_op = opt.apply_reduced(averaged, global_step)
+        """
+        return self.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """All-reduces each gradient, then applies through the wrapped optimizer.

@@ -49,7 +49,9 @@ import numbers
 
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum._wrapper import optimizer_chain, state_variable
+from gradaccum._state import state_variable
+from gradaccum._wrapper import optimizer_chain
+from gradaccum.observers import WindowObserver
 
 DEFAULT_DECAY = 0.99
 """Decay of the moving averages (about the last 100 windows count)."""
@@ -85,13 +87,11 @@ def create(pairs, dtype, decay=DEFAULT_DECAY):
     return GradientStatistics(pairs, dtype, decay)
 
 
-class GradientStatistics(object):
+class GradientStatistics(WindowObserver):
     """The noise-scale state of one accumulator, and the ops that update it.
 
-    Built by :func:`create`; the accumulator calls :meth:`observe_small` on
-    every micro-step, :meth:`observe_big` when a window is applied (before the
-    wrapped optimizer applies it) and :meth:`discard` when a window is skipped
-    or reset. Read the estimates from :attr:`noise_scale`,
+    Built by :func:`create`; a window observer: :meth:`observe_small` per
+    micro-step, :meth:`observe_big` per applied window, :meth:`discard` else. Read the estimates from :attr:`noise_scale`,
     :attr:`gradient_sq_norm` and :attr:`noise_trace`.
 
     Args:
@@ -202,15 +202,27 @@ class GradientStatistics(object):
     def _smoothed(self, name):
         return tf.math.truediv(self._vars[name].read_value(), self._vars["ema_weight"].read_value())
 
+    # ---------------------------------------------------- as a window observer
+
+    def added(self, micro_batch):
+        """:meth:`observe_small` of the micro-batch (``gradaccum.observers``)."""
+        return self.observe_small([g for g, _ in micro_batch.grads_and_vars], micro_batch.weight,
+                                  small_batches=micro_batch.small_batches)
+
+
+    def applying(self, update):
+        """:meth:`observe_big` of the averaged window, with the reduced small-batch sums."""
+        return self.observe_big([g for g, _ in update.grads_and_vars], update.total,
+                                small_sums=update.extras or None)
+
     # --------------------------------------------------------- the updates
 
     def observe_small(self, grads, weight, small_batches=None):
         """Adds small batches' squared gradient norms to the window (one micro-step).
 
-        One read pass over each gradient; ``IndexedSlices`` are summed per
-        row first, so duplicate indices count as the dense gradient would.
-        A small batch of weight 0 adds nothing, even when its gradient is NaN
-        (an empty tower shard).
+        One read pass over each gradient; ``IndexedSlices`` are summed per row
+        first (as the dense gradient); a small batch of weight 0 adds nothing,
+        even when its gradient is NaN (an empty tower shard).
 
         Args:
           grads: the micro-batch's gradients (``None`` entries are skipped),
@@ -304,6 +316,12 @@ class GradientStatistics(object):
         """
         with tf.compat.v1.name_scope("statistics"):
             return tf.group(self._reset_window(), name="discard")
+
+    def extra_sums(self):  # As a window observer: reduced with the window.
+        return self.small_sums()
+
+    def reset(self):  # As a window observer: a reset window counts nothing.
+        return self.discard()
 
     def _reset_window(self):
         return [self._vars[name].assign(tf.zeros([], self._dtype), read_value=False) for name in _WINDOW]

@@ -19,9 +19,21 @@ each tower's loss in ``LOSSES``) is added once per tower. While ``model_fn``
 builds tower ``i``, ``gradaccum._tower_context.current()`` tells synchronized
 layers (``gradaccum.batch_normalization``) the tower's index, devices and
 shard sizes.
+
+A batch smaller than the number of towers works (the empty shards weigh 0
+and tower 0 always has an example), except with ``update_ops="all"``: an
+empty tower's batch-norm statistics are NaN, so there every tower needs an
+example. ``gradaccum.batch_normalization`` builds its one update in the
+first tower only (from the whole batch's statistics), so there ``"first"``
+and ``"all"`` are the same. With a ``GradientAccumulator``, the update ops
+are its ``update_ops`` (run on every micro-batch) and with
+``statistics=True`` each tower's shard is a small batch of the gradient
+noise scale (``gradaccum.statistics``). A non-scalar loss is refused: TF
+would differentiate its sum, which the shard-size weighting would make wrong.
 """
 import collections
 import numbers
+import warnings
 
 from gradaccum import _compat
 from gradaccum import _tower_context
@@ -51,7 +63,7 @@ Attributes:
   grads_and_vars: this tower's ``(gradient, variable)`` pairs, unweighted.
 """
 
-UPDATE_OPS_CHOICES = ("first", "all", None)
+UPDATE_OPS_CHOICES = ("first", "all", [])
 
 # Op types that hold state: placed on `variables_device` (parameter-server layout).
 _VARIABLE_OP_TYPES = frozenset([
@@ -69,39 +81,22 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     by at most one; the first towers get the larger shards). Tower ``i`` calls
     ``model_fn(*shards_i)`` under ``name_scope("<name>_<i>")`` on
     ``devices[i]``; the first tower creates the variables, the others reuse
-    them. Gradients and losses are averaged weighted by shard size, so the
-    update equals one device's update on the whole batch, uneven splits
-    included. A batch smaller than the number of towers works, since the
-    empty shards weigh 0 and tower 0 always has an example, except with
-    ``update_ops="all"``: an empty tower's batch-norm statistics are NaN, so
-    there every tower needs an example (``ValueError`` when the batch size is
-    static, ``InvalidArgumentError`` from the run otherwise).
+    them. Gradients and losses are averaged weighted by shard size: the update
+    equals one device's on the whole batch (module docstring: ``"all"``).
 
     Args:
-      optimizer: a ``tf.compat.v1.train.Optimizer``, a ``GradientAccumulator``
-        included (then each run is one micro-batch of ``towers x shard``
-        examples, and the update ops run on every micro-batch; with
-        ``statistics=True`` each tower's shard is a small batch of the
-        gradient noise scale, see ``gradaccum.statistics``).
+      optimizer: a v1 optimizer or a ``GradientAccumulator`` (a run is a micro-batch).
       model_fn: callable taking one shard per input and returning the scalar
-        mean loss over that shard (a non-scalar loss is refused: TF would
-        differentiate its sum, which the shard-size weighting would then
-        make wrong). Create variables with
+        mean loss over that shard; create variables with
         ``tf.compat.v1.get_variable`` or ``tf.compat.v1.layers``.
       inputs: a tensor, or a list or tuple of tensors with the same leading
         (batch) dimension, static or not.
       devices: list of device strings, one tower each. ``None``: every visible
         GPU, else ``["/cpu:0"]``.
       global_step: optional variable, incremented once per applied update.
-      variables_device: device of the shared variables; ``None`` puts them
-        with the first tower.
-      update_ops: ``"first"`` runs the ``UPDATE_OPS`` created by the first
-        tower, ``"all"`` every tower's (concurrently, in no set order),
-        ``None`` none. They become control dependencies of the train op
-        (with a ``GradientAccumulator``, its ``update_ops``).
-        ``gradaccum.batch_normalization`` builds its one update in the first
-        tower only (from the whole batch's statistics), so there ``"first"``
-        and ``"all"`` are the same.
+      variables_device: device of the shared variables (``None``: the first tower's).
+      update_ops: ``"first"`` runs the ``UPDATE_OPS`` the first tower created,
+        ``"all"`` every tower's, ``[]`` none (``None``, deprecated, too).
       name: name scope of the ops outside the towers, and the towers' prefix.
 
     Returns:
@@ -111,40 +106,25 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
       TypeError: for a non-optimizer, a non-callable ``model_fn``, inputs that
         are not tensors, or a ``model_fn`` that returns no float tensor.
       ValueError: for empty ``devices``, a bad ``update_ops`` or ``name``,
-        inputs whose static leading dimensions differ, a static batch that is
-        too small (0, or fewer than the towers with ``"all"``), a non-scalar
-        loss, or a later tower creating variables the first did not.
-      tf.errors.InvalidArgumentError: at run time, for a batch that is too
-        small or inputs whose leading dimensions differ, when not static.
+        mismatched or too small static batches, a non-scalar loss, or a later
+        tower creating variables the first did not.
 
     Example:
-      >>> def model_fn(images, labels):
-      ...     logits = tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(images), 10)
-      ...     return tf.compat.v1.losses.sparse_softmax_cross_entropy(labels, logits)
       >>> result = tower.minimize(tf.compat.v1.train.AdamOptimizer(1e-3), model_fn,
       ...                         [images, labels], devices=["/gpu:0", "/gpu:1"],
       ...                         global_step=tf.compat.v1.train.get_or_create_global_step())
       >>> sess.run([result.train_op, result.loss])
     """
-    _validate.check_optimizer(optimizer)
-    if not callable(model_fn):
-        raise TypeError("`model_fn` must be callable, got %s" % _validate.describe(model_fn))
-    devices = _check_devices(devices)
-    variables_device = devices[0] if variables_device is None else _check_device(
-        variables_device, "variables_device")
-    if not (update_ops is None or (isinstance(update_ops, str) and update_ops in UPDATE_OPS_CHOICES)):
-        raise ValueError("`update_ops` must be one of %r, got %s"
-                         % (UPDATE_OPS_CHOICES, _validate.describe(update_ops)))
-    _validate.check_name(name)
+    placement, update_ops = _check_arguments(optimizer, model_fn, devices, variables_device, update_ops, name)
     with tf.compat.v1.name_scope(name) as scope:
-        min_batch = len(devices) if update_ops == "all" else 1
-        batch_size, sizes, shards = _split(_check_inputs(inputs), len(devices), min_batch)
+        min_batch = len(placement[0]) if update_ops == "all" else 1
+        batch_size, sizes, shards = _split(_check_inputs(inputs), len(placement[0]), min_batch)
     # What synchronized layers see (batch_norm.py).
     rank, workers = _collective_worker(optimizer)
-    group = _tower_context.TowerGroup(devices, sizes, worker=rank, workers=workers)
-    towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group)
-    chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), None: []}[update_ops]
-    weights = _check_weights(sizes, len(devices))
+    group = _tower_context.TowerGroup(placement[0], sizes, worker=rank, workers=workers)
+    towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, placement, name, group)
+    chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), "none": []}[update_ops]
+    weights = _check_weights(sizes, len(placement[0]))
     with tf.compat.v1.name_scope(scope):
         loss = _weighted_mean([t.loss for t in towers], weights)
         grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
@@ -204,6 +184,35 @@ def average_gradients(tower_grads, weights=None):
 
 
 # ------------------------------------------------------------ minimize's steps
+
+
+def _check_arguments(optimizer, model_fn, devices, variables_device, update_ops, name):
+    """Checks :func:`minimize`'s arguments: ``((devices, variables_device), update ops choice)``."""
+    _validate.check_optimizer(optimizer)
+    if not callable(model_fn):
+        raise TypeError("`model_fn` must be callable, got %s" % _validate.describe(model_fn))
+    devices = _check_devices(devices)
+    variables_device = devices[0] if variables_device is None else _check_device(
+        variables_device, "variables_device")
+    _validate.check_name(name)
+    return (devices, variables_device), _update_ops_choice(update_ops)
+
+
+def _update_ops_choice(update_ops):
+    """``"first"``, ``"all"`` or ``"none"``: what ``update_ops`` asks for."""
+    if update_ops is None:
+        # GradientAccumulator.minimize's None means every UPDATE_OPS op: here
+        # it meant none, which `[]` now says in both.
+        warnings.warn("tower.minimize(update_ops=None) is deprecated: it runs no update ops; say "
+                      "update_ops=[] for none (None in GradientAccumulator.minimize means every one)",
+                      FutureWarning, stacklevel=3)
+        return "none"
+    if isinstance(update_ops, (list, tuple)) and not update_ops:
+        return "none"
+    if isinstance(update_ops, str) and update_ops in ("first", "all"):
+        return update_ops
+    raise ValueError("`update_ops` must be one of 'first', 'all' or [] (none), got %s"
+                     % _validate.describe(update_ops))
 
 
 def _check_device(device, arg):
@@ -331,8 +340,9 @@ def _collective_worker(optimizer):
     return 0, 1
 
 
-def _build_towers(optimizer, model_fn, shards, devices, variables_device, name, group):
+def _build_towers(optimizer, model_fn, shards, placement, name, group):
     """Builds one tower per device; returns the towers and each tower's update ops."""
+    devices, variables_device = placement
     graph = tf.compat.v1.get_default_graph()
     towers, update_ops = [], []
     for index, device in enumerate(devices):

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import gradaccum
 from gradaccum import _update_ops
-from gradaccum import _window as window_module
+from gradaccum import statistics as statistics_module
 from scalar_problem import scalar_problem
 
 v1 = tf.compat.v1
@@ -530,8 +530,8 @@ def test_properties_before_building_are_an_error():
 # ------------------------------------------------ interfaces with other modules
 
 
-class FakeWindowStatistics(object):
-    """Interface A: counts its calls' runs; ``finalize`` records ``w`` as it sees it."""
+class FakeWindowStatistics(gradaccum.WindowObserver):
+    """A window-statistics observer: counts its hooks' runs; ``applied`` records ``w`` as it sees it."""
 
     def __init__(self, w):
         self.counts = dict((name, v1.get_variable("fake_" + name, initializer=np.float64(0.0), trainable=False))
@@ -542,10 +542,10 @@ class FakeWindowStatistics(object):
         v1.add_to_collection(_update_ops.WINDOW_STATISTICS, self)
         v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, self.update_op)
 
-    def accumulate(self):
+    def added(self, micro_batch):
         return self.counts["accumulate"].assign_add(1.0).op
 
-    def finalize(self):
+    def applied(self, update):
         return tf.group(self.counts["finalize"].assign_add(1.0), self.seen.assign(self._w.read_value()))
 
     def reset(self):
@@ -612,23 +612,20 @@ def test_apply_gradients_runs_only_the_update_ops_it_is_given():
             assert fake.values(sess) == dict(update=0.0, accumulate=2.0, finalize=1.0, reset=0.0)
 
 
-class FakeReducer(v1.train.GradientDescentOptimizer):
-    """Interface B: "reduces" by multiplying sums and weight; counts its reductions' runs."""
+class FakeReducer(gradaccum.Reducer):
+    """A reducer that "reduces" by multiplying sums and weight; counts its reductions' runs."""
 
     def __init__(self, learning_rate, sum_factor, weight_factor):
-        super(FakeReducer, self).__init__(learning_rate)
+        super(FakeReducer, self).__init__(v1.train.GradientDescentOptimizer(learning_rate), "FakeReducer")
         self._factors = sum_factor, weight_factor
         self.seen_sums = []
         self.counter = v1.get_variable("reductions", initializer=np.int64(0), trainable=False)
 
-    def reduce_window(self, sums_and_vars, weight):
+    def reduce(self, sums_and_vars, total, extras):
         self.seen_sums.append([g for g, _ in sums_and_vars])
         with tf.control_dependencies([self.counter.assign_add(1)]):
             scaled = [(_scaled(g, self._factors[0]), v) for g, v in sums_and_vars]
-            return scaled, weight * tf.cast(self._factors[1], weight.dtype)
-
-    def apply_reduced(self, grads_and_vars, global_step=None, name=None):
-        return self.apply_gradients(grads_and_vars, global_step, name)
+            return scaled, total * tf.cast(self._factors[1], total.dtype), extras
 
 
 def _scaled(grad, factor):
@@ -682,17 +679,24 @@ def test_reducer_gets_sparse_sums():
             np.testing.assert_array_equal(sess.run(table)[:, 0], [0.5, 1.0, 0.0, 1.0])
 
 
-class FakeStatistics(object):
-    """Interface C: counts observe_small/observe_big/discard runs; observe_big records ``w``."""
+class FakeStatistics(statistics_module.GradientStatistics):
+    """Counts observe_small/observe_big/discard runs; observe_big records ``w``."""
 
-    def __init__(self, pairs, dtype):
+    def __init__(self, pairs, dtype):  # pylint: disable=super-init-not-called
         self.created = (len(pairs), dtype)
         self.counts = dict((name, tf.compat.v1.Variable(np.float64(0.0), trainable=False, name="fake_" + name))
                            for name in ("small", "big", "discard"))
         self.seen = tf.compat.v1.Variable(np.zeros(2), trainable=False, name="fake_seen")
-        self.variables = sorted(list(self.counts.values()) + [self.seen], key=lambda v: v.name)
+        self._variables = sorted(list(self.counts.values()) + [self.seen], key=lambda v: v.name)
         self.small_batches = []
         self._w = pairs[0][1]
+
+    @property
+    def variables(self):
+        return self._variables
+
+    def small_sums(self):
+        return []
 
     def observe_small(self, grads, weight, small_batches=None):
         self.small_batches.append(small_batches)
@@ -714,7 +718,7 @@ def fake_statistics(monkeypatch):
         made.append(FakeStatistics(pairs, dtype))
         return made[-1]
 
-    monkeypatch.setattr(window_module._statistics, "create", create)
+    monkeypatch.setattr(statistics_module, "create", create)
     return made
 
 

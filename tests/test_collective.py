@@ -126,8 +126,8 @@ def test_one_process_is_the_wrapped_optimizer_exactly_dense_and_sparse():
 class _PeerWithWeight(cluster.CollectiveAllReduce):
     """One process whose "other worker" adds weight 1 and zero sums: an empty window here still applies."""
 
-    def reduce_window(self, sums_and_vars, weight):
-        return list(sums_and_vars), weight + 1.0
+    def reduce(self, sums_and_vars, total, extras):
+        return list(sums_and_vars), total + 1.0, list(extras)
 
 
 def test_an_empty_window_contributes_zeros_not_the_last_windows_sums():

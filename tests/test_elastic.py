@@ -61,10 +61,10 @@ def _reference(make_opt, windows, clip_norm=None, dtype=tf.float64):
         opt = make_opt()
         grads_and_vars = opt.compute_gradients(loss, variables)
         if clip_norm is not None:
-            # Dense first: TF's global norm of IndexedSlices counts a repeated row's
-            # parts apart, where the window's sum (and the true gradient) adds them.
-            grads, _ = tf.clip_by_global_norm([tf.convert_to_tensor(g) for g, _ in grads_and_vars], clip_norm)
-            grads_and_vars = list(zip(grads, variables))
+            # Plain TF: the global norm of IndexedSlices counts a repeated row's parts
+            # apart, and the accumulator's clip measures exactly that.
+            grads, _ = tf.clip_by_global_norm([g for g, _ in grads_and_vars], clip_norm)
+            grads_and_vars = list(zip([tf.convert_to_tensor(g) for g in grads], variables))
         train_op = opt.apply_gradients(grads_and_vars)
         out, start = [], 0
         with v1.Session() as sess:

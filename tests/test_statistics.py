@@ -188,14 +188,14 @@ def test_sparse_gradients_with_duplicate_indices_count_as_dense():
                 [small, big], rtol=1e-12)
 
 
-class _TwinWorkers(v1.train.GradientDescentOptimizer):
-    """A window reducer (interface B) as if a second worker had summed the same window."""
+class _TwinWorkers(gradaccum.Reducer):
+    """A window reducer as if a second worker had summed the same window."""
 
-    def reduce_window(self, sums_and_vars, weight):
-        return [(2 * grad, var) for grad, var in sums_and_vars], 2 * weight
+    def __init__(self, learning_rate):
+        super(_TwinWorkers, self).__init__(v1.train.GradientDescentOptimizer(learning_rate), "TwinWorkers")
 
-    def apply_reduced(self, grads_and_vars, global_step=None, name=None):
-        return self.apply_gradients(grads_and_vars, global_step, name)
+    def reduce(self, sums_and_vars, total, extras):
+        return [(2 * grad, var) for grad, var in sums_and_vars], 2 * total, [2 * value for value in extras]
 
 
 def _estimates(small, big, count, weight, window_weight):

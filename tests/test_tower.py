@@ -3,6 +3,8 @@
 Every test builds its own ``tf.Graph`` and runs on four CPU devices made with
 ``ConfigProto(device_count={"CPU": 4})``.
 """
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -249,17 +251,26 @@ def _compute_reference_stats(shards):
 
 @pytest.mark.parametrize("update_ops, training", [
     ("first", "bool"), ("first", "placeholder"), ("all", "bool"), ("all", "placeholder"),
-    (None, "placeholder")])
+    ([], "placeholder"), (None, "placeholder")])
 def test_update_ops_choice_moves_moving_statistics(update_ops, training):
-    """None: statistics stay at init; "first": exactly shard 0's update; "all": every shard's."""
+    """[] (and the deprecated None): statistics stay at init; "first": shard 0's update; "all": every shard's."""
     x_value, y_value = _bn_data()
     shards = np.split(x_value, 4)
     graph = tf.Graph()
     with graph.as_default():
         x, y = tf.constant(x_value), tf.constant(y_value)
         is_training = tf.compat.v1.placeholder_with_default(True, []) if training == "placeholder" else True
-        result = tower.minimize(OPTIMIZERS["sgd"](), _bn_stats_model(is_training), [x, y],
-                                devices=DEVICES, update_ops=update_ops)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = tower.minimize(OPTIMIZERS["sgd"](), _bn_stats_model(is_training), [x, y],
+                                    devices=DEVICES, update_ops=update_ops)
+        deprecations = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        if update_ops is None:
+            assert deprecations == [
+                "tower.minimize(update_ops=None) is deprecated: it runs no update ops; say update_ops=[] for "
+                "none (None in GradientAccumulator.minimize means every one)"]
+        else:
+            assert deprecations == []
         assert [len(graph.get_collection(UPDATE_OPS, t.scope)) for t in result.towers] == [2] * 4
         with _session(graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
@@ -267,7 +278,7 @@ def test_update_ops_choice_moves_moving_statistics(update_ops, training):
             mean, variance = _moving_stats(sess)
     initial = [np.zeros(3), np.ones(3)]
     single = _reference_stats(shards)
-    if update_ops is None:
+    if update_ops in (None, []):
         np.testing.assert_array_equal(mean, initial[0])
         np.testing.assert_array_equal(variance, initial[1])
     elif update_ops == "first":
@@ -315,11 +326,11 @@ def _accuracy(logits, labels):
 
 
 @pytest.mark.parametrize("towers, training, update_ops", [
-    (2, "placeholder", "first"), (4, "bool", "all"), (3, "placeholder", None)])
+    (2, "placeholder", "first"), (4, "bool", "all"), (3, "placeholder", [])])
 def test_batch_norm_cnn_trains_and_evaluates(towers, training, update_ops):
     """Seed 004: the loss falls, the moving statistics move, inference matches training mode.
 
-    With ``update_ops=None`` (seed 004's bug) the statistics stay at their
+    With ``update_ops=[]`` (seed 004's bug) the statistics stay at their
     initial values and inference mode is far worse: the check has teeth.
     """
     train_x, train_y = _quadrant_data(48 * 60, seed=4)
@@ -356,7 +367,7 @@ def test_batch_norm_cnn_trains_and_evaluates(towers, training, update_ops):
     assert len(moving) == 4  # Mean and variance of two batch-norm layers, shared by the towers.
     initial = [np.zeros_like(value) if index % 2 == 0 else np.ones_like(value)
                for index, value in enumerate(moving)]
-    if update_ops is None:
+    if update_ops == []:
         for value, start in zip(moving, initial):
             np.testing.assert_array_equal(value, start)
         assert accuracy[False] < accuracy[True] - 0.3
@@ -536,7 +547,7 @@ def _loss_model(x):
     pytest.param(dict(variables_device=0), TypeError,
                  r"`variables_device` must be a device string .*got 0", id="variables_device"),
     pytest.param(dict(update_ops="last"), ValueError,
-                 r"`update_ops` must be one of \('first', 'all', None\), got 'last'", id="update_ops"),
+                 r"`update_ops` must be one of 'first', 'all' or \[\] \(none\), got 'last'", id="update_ops"),
     pytest.param(dict(name=""), ValueError, r"`name` must be a non-empty string, got ''", id="name"),
     pytest.param(dict(inputs=[]), ValueError,
                  r"`inputs` must be a tensor or a non-empty list of tensors, got \[\]", id="inputs-empty"),
