@@ -356,7 +356,7 @@ def start_server(config, server_config=None):
       ClusterError: one line when the port is in use or the server fails to start.
 
     Example:
-      >>> server = start_server(load_tf_config())
+      >>> server = start_server(from_environment())
       >>> sess = tf.compat.v1.Session(server.target, config=session_config(config))
     """
     if config.is_evaluator:
