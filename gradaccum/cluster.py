@@ -46,7 +46,7 @@ from gradaccum import _tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
 from gradaccum._tfconfig import TF_CONFIG_VAR  # noqa: F401
-from gradaccum._tfconfig import ClusterError  # noqa: F401
+from gradaccum._tfconfig import ClusterError
 from gradaccum.heartbeat import DEFAULT_HEARTBEAT_SECONDS  # noqa: F401
 from gradaccum.heartbeat import HEARTBEAT_EXIT_STATUS  # noqa: F401
 from gradaccum.heartbeat import Heartbeat  # noqa: F401
@@ -150,7 +150,7 @@ def _training_cluster(cluster):
             _check_address(job, address)
     if "chief" not in cluster and "worker" not in cluster:
         raise _config_error("cluster needs a \"worker\" or \"chief\" job", sorted(cluster))
-    if len(cluster["chief"] if "chief" in cluster else ()) > 1:
+    if len(cluster.get("chief", ())) > 1:
         raise _config_error("cluster job \"chief\" must have exactly one address", cluster["chief"])
     everything = [a for job in sorted(cluster) for a in cluster[job]]
     if len(set(everything)) != len(everything):
