@@ -39,6 +39,7 @@ from gradaccum import _compat
 from gradaccum import _tower_context
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum._gradients import normalized
 from gradaccum._wrapper import optimizer_chain
 from gradaccum.accumulator import GradientAccumulator
 
@@ -126,7 +127,7 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), "none": []}[update_ops]
     weights = _check_weights(sizes, len(placement[0]))
     with tf.compat.v1.name_scope(scope):
-        loss = _weighted_mean([t.loss for t in towers], weights)
+        loss = tf.identity(_weighted_mean([t.loss for t in towers], weights), name="loss")
         grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
     # In the caller's scope, so that the optimizer's variables (Adam's beta
     # powers) get the names one device gives them: checkpoints interchange.
@@ -174,12 +175,10 @@ def average_gradients(tower_grads, weights=None):
     kept = [(var, [grads[var.name] for grads in by_name]) for var in variables]
     kept = [(var, grads) for var, grads in kept if any(g is not None for g in grads)]
     with tf.compat.v1.name_scope("average_gradients"):
-        dtypes = set(grad.dtype.base_dtype for _, grads in kept for grad in grads if grad is not None)
-        scaled = dict((dtype, _normalized_weights(weights, dtype)) for dtype in dtypes)
         averaged = []
         for var, grads in kept:
             with tf.compat.v1.device(var.device), tf.compat.v1.name_scope(var.op.name):
-                averaged.append((_average(grads, scaled), var))
+                averaged.append((_weighted_mean(grads, weights, var), var))
     return averaged
 
 
@@ -391,10 +390,26 @@ def _check_no_new_variables(graph, known, index):
             "layers) so that the towers share them" % (index, _validate.describe(created)))
 
 
-def _weighted_mean(values, weights):
-    dtype = values[0].dtype.base_dtype
-    parts = [_scaled(value, weight) for value, weight in zip(values, _normalized_weights(weights, dtype))]
-    return tf.add_n(parts, name="loss")
+def _weighted_mean(values, weights, like=None):
+    """``sum_i w_i * values_i / sum_i w_i`` in ``like``'s dtype (the first value's by default).
+
+    The weighted sum is taken in at least float32, an empty tower (weight 0)
+    adds exactly nothing even when its value is NaN, and the division is the
+    window's and the collective engine's (``_gradients.normalized``). ``None``
+    values count as zero; ``IndexedSlices`` stay sparse, their rows concatenated.
+    """
+    present = [(value, weight) for value, weight in zip(values, weights) if value is not None]
+    like = present[0][0] if like is None else like
+    wide = tf.float64 if like.dtype.base_dtype == tf.float64 else tf.float32
+    cast = [(value, tf.cast(weight, wide)) for value, weight in present]
+    total = sum(weights) if all(isinstance(w, float) for w in weights) else tf.add_n(
+        [tf.cast(w, wide) for w in weights])
+    if all(isinstance(value, tf.IndexedSlices) for value, _ in cast):
+        summed = _sum_sparse(cast, wide)
+    else:
+        summed = tf.add_n([_scaled(tf.cast(tf.convert_to_tensor(value), wide), weight) for value, weight in cast],
+                          name="weighted_sum")
+    return normalized([(summed, like)], total)[0][0]
 
 
 def _apply(optimizer, grads_and_vars, global_step, batch_size, update_ops, small_batches):
@@ -465,42 +480,14 @@ def _common_variables(towers):
     return first
 
 
-def _normalized_weights(weights, dtype):
-    """Returns ``w_i / sum(w)`` as ``dtype`` scalars (0 for all when the sum is 0)."""
-    if all(isinstance(w, float) for w in weights):
-        total = sum(weights)
-        return [tf.constant(w / total, dtype=dtype) for w in weights]
-    # divide_no_nan has float32 and float64 kernels only.
-    wide = tf.float64 if dtype == tf.float64 else tf.float32
-    cast = [tf.cast(w, wide) for w in weights]
-    total = tf.add_n(cast)
-    return [tf.cast(tf.math.divide_no_nan(w, total), dtype) for w in cast]
-
-
 def _scaled(value, weight):
     """``value * weight``, exactly 0 when ``weight`` is 0 even if ``value`` is NaN (an empty shard)."""
-    if value.dtype.base_dtype in (tf.float32, tf.float64):
-        return tf.math.multiply_no_nan(value, weight)
-    # TF 1.15's multiply_no_nan has float32 and float64 kernels only.
-    return tf.compat.v1.where(weight > 0, value * weight, tf.zeros_like(value))
+    return tf.math.multiply_no_nan(value, weight)  # float32 and float64 kernels: the callers widen.
 
 
-def _average(grads, scaled):
-    """``sum_i(w_i * grads_i)``, sparse when every present gradient is.
-
-    ``scaled`` maps a dtype to the normalized weights ``w_i`` in that dtype.
-    """
-    present = [(grad, scaled[grad.dtype.base_dtype][index]) for index, grad in enumerate(grads)
-               if grad is not None]
-    if all(isinstance(grad, tf.IndexedSlices) for grad, _ in present):
-        return _average_sparse(present)
-    parts = [_scaled(tf.convert_to_tensor(grad), weight) for grad, weight in present]
-    return tf.add_n(parts, name="average")
-
-
-def _average_sparse(present):
+def _sum_sparse(present, wide):
     index_dtypes = set(grad.indices.dtype for grad, _ in present)
     index_dtype = index_dtypes.pop() if len(index_dtypes) == 1 else tf.int64
-    values = tf.concat([_scaled(grad.values, weight) for grad, weight in present], 0, name="values")
+    values = tf.concat([_scaled(tf.cast(grad.values, wide), weight) for grad, weight in present], 0, name="values")
     indices = tf.concat([tf.cast(grad.indices, index_dtype) for grad, _ in present], 0, name="indices")
     return tf.IndexedSlices(values, indices, dense_shape=present[0][0].dense_shape)
