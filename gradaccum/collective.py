@@ -555,15 +555,7 @@ class AllReduceOnApply(Reducer):
         self._all_reduce = all_reduce
 
     def apply_reduced(self, grads_and_vars, global_step=None, name=None):
-        """:meth:`apply_gradients`: the window's average, all-reduced, then applied.
-
-        Args:
-          grads_and_vars: list of ``(gradient, variable)``: the window's mean.
-          global_step: optional variable, incremented by the wrapped optimizer.
-          name: optional name of the returned op.
-
-        Returns:
-          The wrapped optimizer's apply op.
+        """The window's apply step (``gradaccum.reducers``): :meth:`apply_gradients` of its mean.
 
         Example:
           >>> train_op = opt.apply_reduced(averaged, global_step)
