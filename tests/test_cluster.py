@@ -8,6 +8,8 @@ import contextlib
 import json
 import re
 import socket
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -317,3 +319,16 @@ def test_a_server_on_a_loopback_address_is_reachable_on_every_interface():
     socket.create_connection((others[0], port), timeout=5).close()
     listening = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
     assert listening and all(c.laddr.ip in ("0.0.0.0", "::") for c in listening), listening
+
+
+def test_heartbeat_lives_in_its_own_module_and_cluster_and_ingraph_do_not_import_each_other():
+    from gradaccum import heartbeat, ingraph
+
+    assert cluster.Heartbeat is heartbeat.Heartbeat is gradaccum.Heartbeat
+    assert cluster.HEARTBEAT_EXIT_STATUS == 75 and cluster.DEFAULT_HEARTBEAT_SECONDS == 30.0
+    assert cluster.StopSignal is ingraph.StopSignal and cluster.ClusterError is gradaccum.ClusterError
+    code = "import sys, gradaccum.ingraph; print(' '.join(m for m in sys.modules if m.startswith('gradaccum.')))"
+    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          universal_newlines=True, timeout=120)
+    loaded = done.stdout.split()
+    assert "gradaccum.heartbeat" in loaded and "gradaccum.cluster" not in loaded, loaded
