@@ -322,3 +322,23 @@ def test_loss_scaling_is_recognised_by_type_or_said(make, loss_scaling):
                 sess.run(train_op, {x: batch})
             assert sess.run(opt.skipped_windows) == 1
             np.testing.assert_allclose(sess.run(w), 1.0 - 2.0)
+
+
+def test_the_window_imports_no_feature_module():
+    """Features plug in through the protocols: the pipeline never names them."""
+    import ast
+    import os
+
+    path = os.path.join(os.path.dirname(gradaccum.__file__), "_window.py")
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module)
+            imported.update("%s.%s" % (node.module, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    features = ("statistics", "adaptive", "batch_norm", "collective", "cluster", "sharded", "tower")
+    assert not [name for name in imported for f in features if name == "gradaccum." + f], sorted(imported)
+    assert "gradaccum.observers" in imported  # The protocol's records, not a feature.
