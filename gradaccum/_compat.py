@@ -259,6 +259,39 @@ def collective_broadcast(tensor, send, group_size, group_key, instance_key, time
         return ops.broadcast_recv(shape, dtype, group_size, group_key, instance_key, **extra)
 
 
+# TF 1.15's distributed collectives fail a broadcast whose sender is not the group leader ("Instance k
+# found no source for broadcast", measured on 1.15.5); TF 2.21 runs it. The versions between are not
+# measured and take the all-reduce below, which is exact everywhere.
+BROADCAST_FROM_ANY_TASK = TF_VERSION >= (2, 21)
+
+
+def collective_broadcast_from(tensor, send, sender_leads, group_size, group_key, instance_key, timeout_seconds=None,
+                              device=None):
+    """:func:`collective_broadcast`, or where this TF cannot send from a task that is not the group leader,
+    an all-reduce to which the receivers add zeros (exact; about twice the bytes of a broadcast).
+
+    Args:
+      tensor: as in :func:`collective_broadcast`.
+      send: True on the one sending task.
+      sender_leads: True when the sending task is the group leader (rank 0).
+      group_size: the number of tasks taking part.
+      group_key: int identifying the group.
+      instance_key: int identifying this exchange; the same on every task.
+      timeout_seconds: as in :func:`collective_sum`.
+      device: as in :func:`collective_sum`.
+
+    Returns:
+      The sender's value, on every task.
+
+    Example:
+      >>> value = collective_broadcast_from(flat, rank == 1, False, 3, group_key=1, instance_key=9)
+    """
+    if sender_leads or BROADCAST_FROM_ANY_TASK:
+        return collective_broadcast(tensor, send, group_size, group_key, instance_key, timeout_seconds, device)
+    with _on_device(device):
+        mine = tensor if send else tf.zeros(tensor.shape, tensor.dtype.base_dtype)
+    return collective_sum(mine, group_size, group_key, instance_key, timeout_seconds, device)
+
 
 def loss_scale_optimizer_types():
     """TF's loss-scale optimizer classes that exist in this process.

@@ -1,0 +1,253 @@
+"""Sharded optimizer state over collective workers (ZeRO stage 1): each worker keeps the slots of its variables.
+
+:class:`ShardedAllReduce` is :class:`gradaccum.collective.CollectiveAllReduce`
+with one change in :meth:`~ShardedAllReduce.apply_reduced`: the trainable
+variables are partitioned over the P workers (whole variables, balanced by
+bytes, :func:`partition_variables`), each worker applies the wrapped
+optimizer to the variables it owns only, so the optimizer creates slots (Adam's
+``m`` and ``v``) for those only, and then every variable travels from its
+owner to every other worker by collective broadcast: one broadcast per owner
+and dtype, packed as the all-reduce packs (split above ``buffer_bytes``).
+
+The window's reduction is the unsharded engine's, unchanged: an all-reduce
+of every sum, so that every worker holds the whole reduced gradient and
+takes every whole-gradient decision alike (zero-weight and non-finite skip,
+``clip_norm``, the noise-scale statistics, the adaptive policy). Stage 1 uses
+it on every TF version: a reduce-scatter would leave each worker with its
+own variables' sums only, and the window would then need a second, scalar
+reduction after it for those decisions, a change of the reducer protocol
+(stage 2). Bytes on the wire per update and worker: the all-reduce's
+``2 (P - 1) / P`` times the gradient bytes, plus the broadcasts, about
+``(P - 1) / P`` times the model bytes; a reduce-scatter with an all-gather
+would send ``2 (P - 1) / P`` in all.
+
+Variables: the wrapped optimizer's slots, for the owned variables only, and
+its non-slot variables (Adam's ``beta1_power`` and ``beta2_power``, once per
+graph) on a worker that owns at least one variable; the first-run flag of
+:class:`~gradaccum.collective.CollectiveAllReduce` (in no collection). No
+collection is added to. ``global_step`` is incremented once per applied
+update on every worker, after the broadcasts (the wrapped optimizer is not
+given it), so a schedule that reads it sees the same step everywhere.
+
+Checkpoints: see :mod:`gradaccum.consolidate` (each worker saves its own
+shard under ``<dir>/shard-<rank>-of-<P>/``).
+"""
+from gradaccum import _validate
+from gradaccum._compat import BROADCAST_FROM_ANY_TASK, collective_broadcast_from, loss_scale_optimizer_types, tf
+from gradaccum._wrapper import optimizer_chain
+from gradaccum.collective import (_BROADCAST_DTYPES, DEFAULT_BUFFER_BYTES, GROUP_KEY, CollectiveAllReduce,
+                                  _check_static, _device, _instance_keys, _packed)
+from gradaccum.reducers import Reducer
+
+
+def _variable_bytes(var):
+    _check_static(var, "variable %r" % var.op.name)
+    return var.shape.num_elements() * var.dtype.base_dtype.size
+
+
+def partition_variables(variables, num_workers):
+    """The owner (worker rank) of each variable: whole variables, greedily balanced by bytes.
+
+    The rule, computed alike by every worker from the variables alone: sort
+    the variables by bytes, largest first (ties by name), and give each in
+    turn to the worker holding the fewest bytes so far (ties to the lowest
+    rank). A worker's share is at most ``total / P + largest variable``; when
+    one variable holds more than ``total / P`` bytes (an embedding table),
+    its owner holds that variable alone or nearly, and the others share the
+    rest: whole variables are never split.
+
+    Args:
+      variables: list of variables with fully defined shapes.
+      num_workers: int >= 1, the number of workers P.
+
+    Returns:
+      A list of ints in ``[0, num_workers)``, one per variable, in order.
+
+    Raises:
+      ValueError: for a bad ``num_workers``, or a shape not fully defined.
+
+    Example:
+      >>> partition_variables([embedding, kernel, bias], 2)  # 4 MB, 1 MB, 4 KB
+      [0, 1, 1]
+    """
+    num_workers = _validate.check_positive_int(num_workers, "num_workers")
+    sizes = [_variable_bytes(var) for var in variables]
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], variables[i].op.name))
+    loads, owners = [0] * num_workers, [0] * len(sizes)
+    for i in order:
+        owner = min(range(num_workers), key=lambda rank: (loads[rank], rank))
+        owners[i] = owner
+        loads[owner] += sizes[i]
+    return owners
+
+
+def _check_wrapped(optimizer):
+    """Refuses the wrapped optimizers whose apply cannot be split over workers, in one line."""
+    scaled = loss_scale_optimizer_types()
+    for inner in optimizer_chain(optimizer):
+        if scaled and isinstance(inner, scaled):
+            raise ValueError(
+                "`optimizer` %s is a loss-scale optimizer: ShardedAllReduce cannot shard its state (each "
+                "worker would test only its own variables for overflow and move the loss scale apart); wrap "
+                "a plain optimizer and use GradientAccumulator(..., skip_nonfinite=True)" % type(inner).__name__)
+        if isinstance(inner, Reducer) or type(inner).__name__ == "GradientAccumulator":
+            raise ValueError("`optimizer` must not be a reducer or a GradientAccumulator (wrap ShardedAllReduce "
+                             "in the accumulator: GradientAccumulator(ShardedAllReduce(adam, config), k)), got %s"
+                             % type(inner).__name__)
+
+
+def _check_broadcastable(variables):
+    for var in variables:
+        if var.dtype.base_dtype not in _BROADCAST_DTYPES:
+            raise ValueError("ShardedAllReduce broadcasts every trained variable: dtypes %s, got %r of %s"
+                             % (", ".join(d.name for d in _BROADCAST_DTYPES), var.op.name,
+                                var.dtype.base_dtype.name))
+        _check_static(var, "variable %r" % var.op.name)
+
+
+class ShardedAllReduce(CollectiveAllReduce):
+    """:class:`~gradaccum.collective.CollectiveAllReduce` whose optimizer state is sharded over the workers.
+
+    Stage 1 of ZeRO: the window is all-reduced as by the unsharded engine
+    (so skip, clip and statistics decide on the whole gradient, alike on
+    every worker); then each worker applies the wrapped optimizer to the
+    variables it owns (:func:`partition_variables`), so slots exist only
+    for those, and broadcasts them to the others. With Adam a worker holds
+    ``4 + 4 + 8 / P`` bytes per float32 parameter (model, accumulation
+    cache, its share of the moments) instead of 16. The updates equal the
+    unsharded engine's and one process's on the union of the data.
+
+    What differs for the user:
+
+    * Broadcast only the model after initialisation:
+      ``cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())``
+      (the workers' global variables differ: each has its own slots).
+    * Every worker saves and restores its own checkpoint shard
+      (:mod:`gradaccum.consolidate`); a worker restores its own shard and
+      broadcasts nothing after it.
+    * Not supported in stage 1: a wrapped loss-scale optimizer (refused
+      here; use ``skip_nonfinite``), sharding the accumulation cache (stage
+      2: no switch yet), splitting one variable over workers. Towers inside
+      a worker are fine (the worker's optimizer state is not split further
+      over them). A sparse gradient (``tf.gather``) is densified for the
+      all-reduce, as by the unsharded engine, and applied sparse by its owner.
+
+    Args:
+      optimizer: the ``tf.compat.v1.train.Optimizer`` that applies each
+        worker's share of the update (not a loss-scale optimizer).
+      config: this task's ``gradaccum.cluster.ClusterConfig`` (chief or
+        worker), or None for one process (no sharding, no communication).
+      timeout_seconds: as in ``CollectiveAllReduce``.
+      buffer_bytes: the largest all-reduce or broadcast message.
+      name: name scope of the reduce and broadcast ops.
+
+    Raises:
+      TypeError: when ``optimizer`` is not a v1 optimizer, or ``config`` not
+        a ``ClusterConfig``.
+      ValueError: for a loss-scale, reducer or accumulator ``optimizer``, a
+        ps task's ``config``, a bad ``timeout_seconds``, ``buffer_bytes`` or
+        ``name``.
+
+    Example:
+      >>> config = cluster.load_tf_config()
+      >>> opt = gradaccum.GradientAccumulator(
+      ...     gradaccum.ShardedAllReduce(tf.compat.v1.train.AdamOptimizer(1e-3), config), 4)
+      >>> train_op = opt.minimize(loss, global_step=global_step, weight=tf.shape(x)[0])
+      >>> broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
+    """
+
+    def __init__(self, optimizer, config, *, timeout_seconds=None, buffer_bytes=DEFAULT_BUFFER_BYTES,
+                 name="ShardedAllReduce"):
+        super(ShardedAllReduce, self).__init__(optimizer, config, timeout_seconds=timeout_seconds,
+                                               buffer_bytes=buffer_bytes, name=name)
+        _check_wrapped(optimizer)
+        self._owners = {}
+        self._broadcasts = 0
+        self._sent_bytes = 0
+
+    @property
+    def owners(self):
+        """``{variable name: owner rank}`` of the last train op built (empty before)."""
+        return dict(self._owners)
+
+    @property
+    def broadcasts_per_update(self):
+        """Broadcast ops one applied update runs on this worker (after the train op is built)."""
+        return self._broadcasts
+
+    @property
+    def broadcast_bytes_per_update(self):
+        """Bytes this worker puts into the broadcasts of one update: its own variables'.
+
+        Where TF cannot broadcast from a worker other than rank 0 (TF < 2.21,
+        ``_compat.BROADCAST_FROM_ANY_TASK``), the other owners' variables
+        travel by an all-reduce to which every worker adds zeros: then their
+        bytes count here too.
+        """
+        return self._sent_bytes
+
+    def apply_reduced(self, grads_and_vars, global_step=None, name=None):
+        """Applies the wrapped optimizer to this worker's variables, then broadcasts every variable from its owner.
+
+        Args:
+          grads_and_vars: list of ``(gradient, variable)``: the window's
+            mean over every worker, clipped; ``None`` gradients are left out.
+          global_step: optional variable, incremented once after the
+            broadcasts, on every worker.
+          name: optional name of the returned op.
+
+        Returns:
+          The op.
+
+        Raises:
+          ValueError: when no gradient is given, or for a variable of a dtype
+            collectives cannot carry or a shape not fully defined.
+
+        Example:
+          >>> op = reducer.apply_reduced(averaged, global_step)
+        """
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            raise ValueError("`grads_and_vars` has no gradient for any variable")
+        if self._size == 1:
+            return self._optimizer.apply_gradients(pairs, global_step=global_step, name=name)
+        variables = [v for _, v in pairs]
+        _check_broadcastable(variables)
+        owners = partition_variables(variables, self._size)
+        self._owners = dict((v.op.name, r) for v, r in zip(variables, owners))
+        mine = [pair for pair, owner in zip(pairs, owners) if owner == self._rank]
+        # In the caller's name scope, as unsharded: Adam's beta powers are named from it.
+        applied = self._optimizer.apply_gradients(mine) if mine else tf.no_op(name="owns_nothing")
+        with tf.compat.v1.name_scope(self._name + "_broadcast"):
+            done = self._broadcast_from_owners(variables, owners, applied)
+        if global_step is None:
+            return tf.group(done, name=name)
+        with tf.control_dependencies([done]), tf.compat.v1.colocate_with(global_step):
+            count = tf.compat.v1.assign_add(global_step, tf.ones([], global_step.dtype.base_dtype))
+        return tf.group(count, name=name)
+
+    def _broadcast_from_owners(self, variables, owners, applied):
+        """Per owner, in rank order (alike on every worker): its variables, packed, broadcast after its update."""
+        done, self._broadcasts, self._sent_bytes = [applied], 0, 0
+        for owner in range(self._size):
+            held = [var for var, rank in zip(variables, owners) if rank == owner]
+            if not held:
+                continue
+            sending = owner == self._rank
+            with tf.control_dependencies([applied] if sending else None):
+                values = [var.read_value() if sending else tf.convert_to_tensor(var) for var in held]
+
+            def exchange(piece, sending=sending, leads=owner == 0):
+                if sending or not (leads or BROADCAST_FROM_ANY_TASK):  # an all-reduce: everyone sends
+                    self._sent_bytes += piece.shape.num_elements() * piece.dtype.size
+                return collective_broadcast_from(piece, sending, leads, self._size, GROUP_KEY, next(_instance_keys),
+                                                 self._timeout, device=_device(self._config))
+
+            received, count = _packed(values, self._buffer_bytes, exchange)
+            self._broadcasts += count
+            if sending:
+                done.append(tf.group(*received, name="sent_%d" % owner))
+            else:
+                done.append(tf.group(*[tf.compat.v1.assign(var, value) for var, value in zip(held, received)],
+                                     name="from_%d" % owner))
+        return tf.group(*done, name="all_owners")

@@ -1,0 +1,173 @@
+"""One worker of tests/test_sharded.py's jobs (not collected by pytest).
+
+A float64 model with a sparse variable (``tf.gather`` of an embedding),
+trained on 24 fixed points. Worker r reads its own uneven share
+(``--shares``) and splits it into 3 uneven micro-batches per window. Window
+``--empty-window`` feeds nothing anywhere (zero weight); window
+``--nan-window`` puts a NaN into the last worker's first micro-batch (skipped
+with ``skip_nonfinite``). ``--runs`` lists ``engine-optimizer`` trainings
+(``sharded-adam``, ``collective-sgd``, ...), one graph each, in this one
+process; each writes ``<out>-<run>-worker<r>.npz``. With ``--checkpoint-dir``
+(one run), every worker saves its shard every ``--checkpoint-every`` steps
+and at the end, and restores its shard of the newest common step on start;
+``--kill-at W`` makes the last worker SIGKILL itself after the first
+micro-batch of window W. Imported by the tests for :func:`build` and
+:func:`windows` (the one-process reference).
+"""
+import argparse
+import os
+import signal
+import sys
+
+import numpy as np
+
+N_POINTS, ROWS, K = 24, 7, 3
+
+
+def data():
+    rng = np.random.RandomState(1)
+    return rng.normal(size=(N_POINTS, 3)), rng.randint(0, ROWS, N_POINTS).astype(np.int32), \
+        rng.normal(size=(N_POINTS, 1))
+
+
+def initial_values():
+    rng = np.random.RandomState(2)
+    return [("emb", rng.normal(size=(ROWS, 3))), ("w1", rng.normal(size=(3, 5)) / 2), ("b1", np.zeros(5)),
+            ("w2", rng.normal(size=(5, 1)) / 2), ("b2", np.zeros(1)), ("scale", np.ones(3))]
+
+
+def build(tf, make_optimizer, k=K, skip_nonfinite=True):
+    """The graph's tensors: placeholders, loss, train op, variables by name, global step."""
+    x = tf.compat.v1.placeholder(tf.float64, [None, 3], name="x")
+    ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
+    y = tf.compat.v1.placeholder(tf.float64, [None, 1], name="y")
+    step = tf.compat.v1.train.get_or_create_global_step()
+    v = dict((name, tf.compat.v1.get_variable(name, initializer=value)) for name, value in initial_values())
+    h = tf.tanh(tf.matmul(x * tf.gather(v["emb"], ids) * v["scale"], v["w1"]) + v["b1"])
+    n = tf.shape(x)[0]
+    loss = tf.reduce_sum(tf.square(tf.matmul(h, v["w2"]) + v["b2"] - y)) / tf.maximum(tf.cast(n, tf.float64), 1.0)
+    opt = make_optimizer()
+    if k is None:
+        train = opt.minimize(loss, step)
+    else:
+        import gradaccum
+        opt = gradaccum.GradientAccumulator(opt, k, skip_nonfinite=skip_nonfinite)
+        train = opt.minimize(loss, step, weight=n)
+    return dict(x=x, ids=ids, y=y, loss=loss, train=train, variables=v, step=step, opt=opt)
+
+
+def optimizer(tf, name):
+    if name == "adam":
+        return tf.compat.v1.train.AdamOptimizer(0.05)
+    return tf.compat.v1.train.GradientDescentOptimizer(0.1)
+
+
+def windows(shares, count, empty=None, nan=None):
+    """Per window, per worker, K lists of point indices (uneven); and the windows a reference skips."""
+    starts = np.cumsum([0] + list(shares))
+    out = []
+    for w in range(count):
+        per_worker = []
+        for r, n in enumerate(shares):
+            idx = np.arange(starts[r], starts[r] + n)
+            parts = np.split(idx, [max(1, n // 5), max(2, n // 2)]) if w != empty else [idx[:0]] * K
+            per_worker.append(parts)
+        out.append(per_worker)
+    return out, [w for w in (empty, nan) if w is not None]
+
+
+def feed(graph, points, nan=False):
+    x, ids, y = data()
+    values = y[points].copy()
+    if nan and len(values):
+        values[0, 0] = np.nan
+    return {graph["x"]: x[points], graph["ids"]: ids[points], graph["y"]: values}
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", default="sharded-adam")
+    parser.add_argument("--shares", default="9,15")
+    parser.add_argument("--windows", type=int, default=6)
+    parser.add_argument("--empty-window", type=int, default=None)
+    parser.add_argument("--nan-window", type=int, default=None)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=2)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args(argv)
+
+
+def _run(tf, args, config, server, run, after_training):
+    import gradaccum
+    from gradaccum import cluster, consolidate
+
+    engine, opt_name = run.split("-")
+    size, rank = len(config.compute_tasks), config.compute_tasks.index((config.task_type, config.task_index))
+    make = gradaccum.ShardedAllReduce if engine == "sharded" else gradaccum.CollectiveAllReduce
+    with tf.Graph().as_default() as g:
+        graph = build(tf, lambda: make(optimizer(tf, opt_name), config, timeout_seconds=60))
+        broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
+        init = tf.compat.v1.global_variables_initializer()
+        saver = tf.compat.v1.train.Saver(max_to_keep=10)
+        skipped = [v for v in tf.compat.v1.global_variables() if v.op.name.endswith("skipped_windows")][0]
+        held = dict((v.op.name, v.shape.num_elements() * v.dtype.base_dtype.size)
+                    for v in tf.compat.v1.global_variables())
+    plan, _ = windows([int(s) for s in args.shares.split(",")], args.windows, args.empty_window, args.nan_window)
+    with tf.compat.v1.Session(server.target, graph=g, config=cluster.collective_session_config(config)) as sess:
+        path = consolidate.latest_shard(args.checkpoint_dir, config) if args.checkpoint_dir else None
+        if path:
+            saver.restore(sess, path)
+            print("restored global_step %d" % sess.run(graph["step"]), flush=True)
+        else:
+            sess.run(init)
+            sess.run(broadcast)
+        first = int(sess.run(graph["step"])) if args.checkpoint_dir else 0
+        for w in range(first, args.windows):
+            for i, points in enumerate(plan[w][rank]):
+                if w == args.kill_at and i == 1 and rank == size - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                sess.run(graph["train"], feed(graph, points, nan=(w == args.nan_window and rank == size - 1
+                                                                  and i == 0)))
+            step = int(sess.run(graph["step"]))
+            if args.checkpoint_dir and (step % args.checkpoint_every == 0 or w == args.windows - 1):
+                saver.save(sess, os.path.join(consolidate.shard_directory(args.checkpoint_dir, config),
+                                              "model.ckpt"), global_step=step)
+                print("saved global_step %d" % step, flush=True)
+        after_training()  # No collective runs after this: a peer that exits first is not a failure.
+        values = sess.run(graph["variables"])
+        reducer = graph["opt"].optimizer
+        owners = reducer.owners if engine == "sharded" else {}
+        np.savez("%s-%s-worker%d.npz" % (args.out, run, rank), step=sess.run(graph["step"]),
+                 skipped=sess.run(skipped), held_names=np.array(sorted(held)),
+                 held_bytes=np.array([held[n] for n in sorted(held)]),
+                 owner_names=np.array(sorted(owners)), owner_ranks=np.array([owners[n] for n in sorted(owners)]),
+                 broadcasts=getattr(reducer, "broadcasts_per_update", 0), **values)
+
+
+def main(argv=None):
+    args = _parse(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf1":
+        tf.compat.v1.disable_v2_behavior()
+    else:
+        tf.compat.v1.disable_eager_execution()
+    from gradaccum import cluster
+
+    config = cluster.from_environment()
+    server = cluster.start_server(config, cluster.collective_session_config(config))
+    cluster.wait_for_tasks(config, timeout_seconds=60)
+    beat = cluster.Heartbeat(server, config, timeout_seconds=3.0).start()
+    runs = args.runs.split(",")
+    for i, run in enumerate(runs):
+        _run(tf, args, config, server, run, beat.stop if i == len(runs) - 1 else lambda: None)
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # Not sys.exit: tearing down TensorFlow's gRPC server at exit takes seconds.

@@ -1,0 +1,327 @@
+"""Tests of gradaccum.sharded (ZeRO stage 1 over collective workers) and gradaccum.consolidate.
+
+The single-process tests check the partition rule, one process (P = 1), the
+errors, the graph a worker of two builds (slots, broadcasts, their order and
+keys) and the consolidation of shards written without training. The
+``distributed`` ones start loopback workers of tests/sharded_child.py
+directly (float64, a sparse ``tf.gather`` variable, uneven shares and
+micro-batches, a zero-weight window and a NaN window) and compare with the
+unsharded engine in the same processes and with one process on the union of
+the data (this process), to 1e-9.
+"""
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gradaccum
+from gradaccum import consolidate, sharded
+from gradaccum._compat import BROADCAST_FROM_ANY_TASK, loss_scale_optimizer_types, tf, v1_control_flow
+from test_collective import _ancestors, _config
+from test_distributed import _env
+
+import sharded_child as child
+
+pytestmark = pytest.mark.timeout(180)
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharded_child.py")
+_NAMES = [name for name, _ in child.initial_values()]
+_TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+def _variables(sizes):
+    """Float32 variables named a, b, ... of ``sizes`` elements (float64 where the size is negative)."""
+    made = []
+    for i, size in enumerate(sizes):
+        dtype = tf.float64 if size < 0 else tf.float32
+        made.append(tf.compat.v1.get_variable(chr(ord("a") + i), [abs(size)], dtype))
+    return made
+
+
+def test_partition_is_greedy_by_bytes_ties_by_name_then_lowest_rank():
+    with tf.Graph().as_default():
+        # bytes: a 400, b 240, c 200, d 160 (float64), e 40
+        made = _variables([100, 60, 50, -20, 10])
+        assert sharded.partition_variables(made, 2) == [0, 1, 1, 0, 1]  # loads 560 and 480
+        assert sharded.partition_variables(made, 1) == [0] * 5
+    with tf.Graph().as_default():
+        a, b, c = _variables([8, -4, 8])  # all 32 bytes: by name a, b, c to ranks 0, 1, 2, then ...
+        assert sharded.partition_variables([c, b, a], 3) == [2, 1, 0]
+        assert sharded.partition_variables([c, b, a], 2) == [0, 1, 0]
+    with tf.Graph().as_default():  # One dominant variable: its owner holds it alone.
+        owners = sharded.partition_variables(_variables([1000, 10, 10, 10, 10]), 3)
+        assert owners == [0, 1, 2, 1, 2]
+        with pytest.raises(ValueError, match=r"^`num_workers` must be an int >= 1, got 0$"):
+            sharded.partition_variables([], 0)
+        unknown = tf.compat.v1.placeholder(tf.float32, [None])
+        with pytest.raises(ValueError, match=r"^collective reduction needs fully defined shapes: variable 'v' has "):
+            sharded.partition_variables([tf.compat.v1.Variable(unknown, validate_shape=False, name="v")], 2)
+
+
+def test_bad_combinations_are_one_clear_line():
+    sgd = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+    with pytest.raises(TypeError, match=r"`config` must be a gradaccum.cluster.ClusterConfig or None, got 'x'"):
+        gradaccum.ShardedAllReduce(sgd, "x")
+    with pytest.raises(TypeError, match=r"`optimizer` must be a tf.compat.v1.train.Optimizer, got str"):
+        gradaccum.ShardedAllReduce("sgd", None)
+    with pytest.raises(ValueError, match=r"^`optimizer` must not be a reducer or a GradientAccumulator .*"
+                                         r"got GradientAccumulator$"):
+        gradaccum.ShardedAllReduce(gradaccum.GradientAccumulator(sgd, 2), None)
+    with pytest.raises(ValueError, match=r"got CollectiveAllReduce$"):
+        gradaccum.ShardedAllReduce(gradaccum.CollectiveAllReduce(sgd, None), None)
+    scaled = [t for t in loss_scale_optimizer_types() if "MixedPrecision" in t.__name__]
+    if scaled:
+        with pytest.raises(ValueError, match=r"^`optimizer` MixedPrecisionLossScaleOptimizer is a loss-scale "
+                                             r"optimizer: ShardedAllReduce cannot shard its state"):
+            gradaccum.ShardedAllReduce(scaled[0](sgd, "dynamic"), None)
+    with tf.Graph().as_default():
+        flag = tf.compat.v1.get_variable("flag", initializer=tf.constant(1, tf.int16))
+        opt = gradaccum.ShardedAllReduce(sgd, _config(2))
+        with pytest.raises(ValueError, match=r"broadcasts every trained variable: dtypes .*, got 'flag' of int16"):
+            opt.apply_reduced([(tf.constant(1, tf.int16), flag)])
+
+
+def reference(opt_name, shares, count, empty=None, nan=None, extra=0):
+    """One process, plain optimizer, one run per applied window on the union of the workers' points."""
+    plan, skipped = child.windows(shares, count + extra, empty, nan)
+    with tf.Graph().as_default():
+        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for w in range(count + extra):
+                if w not in skipped:
+                    sess.run(graph["train"], child.feed(graph, np.concatenate([p for ps in plan[w] for p in ps])))
+            return sess.run(graph["variables"])
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_one_process_is_the_wrapped_optimizer_on_the_union(opt_name):
+    plan, _ = child.windows([24], 4)
+    with tf.Graph().as_default():
+        graph = child.build(tf, lambda: gradaccum.ShardedAllReduce(child.optimizer(tf, opt_name), None))
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for window in plan:
+                for points in window[0]:
+                    sess.run(graph["train"], child.feed(graph, points))
+            got, step = sess.run(graph["variables"]), sess.run(graph["step"])
+    want = reference(opt_name, [24], 4)
+    assert step == 4
+    for name in _NAMES:
+        np.testing.assert_allclose(got[name], want[name], err_msg=name, **_TOL)
+
+
+def _build_worker(rank, workers=2, opt_name="adam"):
+    """Builds (does not run) worker ``rank``'s train op in the default graph; returns (tensors, reducer)."""
+    reducer = gradaccum.ShardedAllReduce(child.optimizer(tf, opt_name), _config(workers, rank))
+    return child.build(tf, lambda: reducer), reducer
+
+
+def _worker_graph(rank, workers=2, opt_name="adam"):
+    """:func:`_build_worker` in a graph of its own; returns (graph, tensors, reducer).
+
+    With v1 control flow, so that the collectives are ops of the graph in both
+    behaviours (control flow v2 hides them in branch functions).
+    """
+    graph = tf.Graph()
+    with graph.as_default(), v1_control_flow():
+        built, reducer = _build_worker(rank, workers, opt_name)
+    return graph, built, reducer
+
+
+def _source(tensor):
+    """The name of the op behind ``tensor``, through the cond's Switch and the Identity ops on the way."""
+    while tensor.op.type in ("Switch", "RefSwitch", "Identity", "RefIdentity", "Enter", "RefEnter"):
+        tensor = tensor.op.inputs[0]
+    return tensor.op.name
+
+
+def test_a_worker_builds_slots_for_its_variables_only_and_broadcasts_after_its_update():
+    keys = []
+    for rank in (0, 1):
+        graph, built, reducer = _worker_graph(rank)
+        with graph.as_default():
+            names = [v.op.name for v in tf.compat.v1.global_variables()]
+            owners = sharded.partition_variables([built["variables"][n] for n in _NAMES], 2)
+        mine = sorted(n for n, r in zip(_NAMES, owners) if r == rank)
+        assert reducer.owners == dict(zip(_NAMES, owners))
+        assert sorted(n[:-len("/Adam")] for n in names if n.endswith("/Adam")) == mine
+        assert sorted(n[:-len("/Adam_1")] for n in names if n.endswith("/Adam_1")) == mine
+        assert names.count("beta1_power") == 1 and names.count("beta2_power") == 1
+        ops = graph.get_operations()
+        reduces = [op for op in ops if op.type == "CollectiveReduce" and "_broadcast/" in op.name]
+        sends = [op for op in ops if op.type == "CollectiveBcastSend"] + (reduces if rank == 1 else [])
+        recvs = [op for op in ops if op.type == "CollectiveBcastRecv"] + (reduces if rank == 0 else [])
+        # Every variable is float64: one broadcast per owner, this worker sends one and receives one;
+        # rank 1's is an all-reduce where TF cannot broadcast from a task that does not lead the group.
+        assert (len(sends), len(recvs), reducer.broadcasts_per_update) == (1, 1, 2)
+        assert len(reduces) == (0 if BROADCAST_FROM_ANY_TASK else 1)
+        bytes_of = dict((n, built["variables"][n].shape.num_elements() * 8) for n in _NAMES)
+        assert reducer.broadcast_bytes_per_update == sum(bytes_of[n] for n in _NAMES if owners[_NAMES.index(n)] == rank
+                                                         or (owners[_NAMES.index(n)] == 1 and reduces))
+        written = set(_source(op.inputs[0]) for op in _ancestors(sends[0])
+                      if op.inputs and any(word in op.type for word in ("Apply", "Assign", "Scatter")))
+        assert sorted(written & set(_NAMES)) == mine  # The send waits for this worker's update, of its own.
+        collectives = sorted((op for op in ops if op.type.startswith("Collective")),
+                             key=lambda op: op.get_attr("instance_key"))
+        first = collectives[0].get_attr("instance_key")
+        keys.append([(op.get_attr("instance_key") - first, op.type.replace("Send", "").replace("Recv", ""))
+                     for op in collectives])  # (Send and Recv of one broadcast alike)
+        step_adds = [op for op in ops if op.type in ("AssignAdd", "AssignAddVariableOp")
+                     and _source(op.inputs[0]) == "global_step"]
+        assert step_adds and all(recvs[0] in _ancestors(op) and sends[0] in _ancestors(op) for op in step_adds)
+    assert keys[0] == keys[1]  # The same collectives, in the same order, with the same keys on both workers.
+
+
+# A worker's graph names its collectives' device: place only what a run needs, none of them.
+_PRUNED = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(place_pruned_graph=True))
+
+
+def _save_shard(rank, workers, directory, step=5):
+    """Worker ``rank``'s checkpoint with every variable set to a value of its own name (model alike)."""
+    graph, _, _ = _worker_graph(rank, workers)
+    with graph.as_default(), tf.compat.v1.Session(config=_PRUNED) as sess:
+        for var in tf.compat.v1.global_variables():
+            value = np.zeros(var.shape, var.dtype.base_dtype.as_numpy_dtype)
+            if var.dtype.base_dtype == tf.float64:
+                value += len(var.op.name) + np.arange(value.size).reshape(value.shape)
+            var.load(value, sess)
+        tf.compat.v1.train.get_global_step().load(step, sess)
+        saver = tf.compat.v1.train.Saver()
+        shard = consolidate.shard_directory(directory, _config(workers, rank))
+        return saver.save(sess, os.path.join(shard, "model.ckpt"), global_step=step)
+
+
+def _restore_values(path, build_graph):
+    with tf.Graph().as_default():
+        build_graph()
+        with tf.compat.v1.Session(config=_PRUNED) as sess:
+            tf.compat.v1.train.Saver().restore(sess, path)
+            return dict((v.op.name, sess.run(v)) for v in tf.compat.v1.global_variables())
+
+
+def test_consolidated_shards_restore_into_one_unsharded_process_and_into_three_workers(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    prefixes = [_save_shard(rank, 2, directory) for rank in (0, 1)]
+    assert consolidate.sharded_checkpoints(directory) == (5, prefixes)
+    assert consolidate.latest_shard(directory, _config(2, 1)) == prefixes[1]
+    assert consolidate.main([directory, str(tmp_path / "out" / "model.ckpt")]) == 0
+    out = str(tmp_path / "out" / "model.ckpt")
+    plain = _restore_values(out, lambda: child.build(tf, lambda: child.optimizer(tf, "adam"), k=None))
+    assert int(plain["global_step"]) == 5
+    for name, value in plain.items():  # Each worker wrote len(name) + arange: the owner's slots came through.
+        if value.dtype == np.float64:
+            np.testing.assert_array_equal(value, len(name) + np.arange(value.size).reshape(value.shape), name)
+    assert sum(name.endswith("/Adam") for name in plain) == len(_NAMES)
+    third = _restore_values(out, lambda: _build_worker(2, 3))
+    # A worker of three restores its share: b1, w2, scale, b2 (emb and w1 are ranks 0's and 1's).
+    assert sorted(name[:-5] for name in third if name.endswith("/Adam")) == ["b1", "b2", "scale", "w2"]
+    np.testing.assert_array_equal(third["w2/Adam"], plain["w2/Adam"])
+    with pytest.raises(ValueError, match=r"holds shards of 2 workers, this job has 3: run `python -m gradaccum."):
+        consolidate.latest_shard(directory, _config(3, 0))
+    with pytest.raises(ValueError, match=r"^`step` 4 is not held by every shard of .* \(common steps: \[5\]\)$"):
+        consolidate.consolidate(directory, out, step=4)
+    with pytest.raises(ValueError, match=r"^`checkpoint_dir` '.*none' holds no step that every shard has$"):
+        consolidate.consolidate(str(tmp_path / "none"), out)
+    os.makedirs(os.path.join(directory, "shard-0-of-3"))
+    with pytest.raises(ValueError, match=r"holds shards of 2 and 3 workers; keep one job's shards per directory"):
+        consolidate.sharded_checkpoints(directory)
+
+
+# ------------------------------------------------------------ multi-process
+
+
+def _run_job(workers, args, timeout=150):
+    """Starts ``workers`` loopback children; returns their (status, stdout, stderr), killing all on timeout."""
+    from gradaccum import launch
+
+    spec = launch.build_cluster(workers, 0, "127.0.0.1", launch.pick_free_ports(workers))
+    procs = [subprocess.Popen([sys.executable, _CHILD] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True,
+                              env=dict(_env(), TF_CONFIG=launch.tf_config_for(spec, "worker", i)))
+             for i in range(workers)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return results
+
+
+def _load(out, run, rank):
+    return dict(np.load("%s-%s-worker%d.npz" % (out, run, rank)))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("shares", [[9, 15], [5, 12, 7]])
+def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, tmp_path):
+    out, workers, runs = str(tmp_path / "run"), len(shares), ["sharded-adam", "sharded-sgd", "collective-adam"]
+    results = _run_job(workers, ["--runs", ",".join(runs), "--shares", ",".join(map(str, shares)),
+                                 "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out])
+    assert [status for status, _, _ in results] == [0] * workers, [err[-2000:] for _, _, err in results]
+    for run in runs:
+        engine, opt_name = run.split("-")
+        want = reference(opt_name, shares, 6, empty=1, nan=3)
+        got = [_load(out, run, rank) for rank in range(workers)]
+        for rank, values in enumerate(got):
+            assert (int(values["step"]), int(values["skipped"])) == (4, 2), (run, rank)  # alike everywhere
+            for name in _NAMES:
+                np.testing.assert_allclose(values[name], want[name], err_msg="%s %s" % (run, name), **_TOL)
+                np.testing.assert_array_equal(values[name], got[0][name], err_msg="%s %s" % (run, name))
+        if engine == "collective":
+            unsharded = got
+            continue
+        owners = dict(zip(got[0]["owner_names"].tolist(), got[0]["owner_ranks"].tolist()))
+        assert sorted(owners) == sorted(_NAMES) and set(owners.values()) == set(range(workers))
+        for rank, values in enumerate(got):
+            held = values["held_names"].tolist()
+            slots = sorted(n.rsplit("/", 1)[0] for n in held if n.endswith(("/Adam", "/Adam_1")))
+            mine = sorted(n for n in _NAMES if owners[n] == rank)
+            assert slots == (sorted(mine * 2) if opt_name == "adam" else []), (run, rank)
+            assert held.count("beta1_power") == (1 if opt_name == "adam" else 0)
+            assert values["owner_ranks"].tolist() == got[0]["owner_ranks"].tolist()
+    for name in _NAMES:  # and the unsharded engine's Adam, in the same processes
+        np.testing.assert_allclose(_load(out, "sharded-adam", 0)[name], unsharded[0][name], **_TOL)
+
+
+@pytest.mark.distributed
+def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continues_in_one_process(tmp_path):
+    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    args = ["--runs", "sharded-adam", "--shares", "9,15", "--windows", "7", "--checkpoint-dir", ckpt,
+            "--checkpoint-every", "3", "--out", out]
+    killed = _run_job(2, args + ["--kill-at", "5"])
+    assert killed[1][0] == -9 and killed[0][0] != 0, [(s, e[-1500:]) for s, _, e in killed]
+    assert "saved global_step 3" in killed[0][1] and "saved global_step 6" not in killed[0][1]
+    resumed = _run_job(2, args)
+    assert [status for status, _, _ in resumed] == [0, 0], [err[-2000:] for _, _, err in resumed]
+    assert all("restored global_step 3\n" in text for _, text, _ in resumed)
+    want = reference("adam", [9, 15], 7)
+    final = [_load(out, "sharded-adam", rank) for rank in (0, 1)]
+    for name in _NAMES:
+        for values in final:
+            np.testing.assert_allclose(values[name], want[name], err_msg=name, **_TOL)
+
+    ordinary = consolidate.consolidate(ckpt, str(tmp_path / "ordinary" / "model.ckpt"))
+    assert sorted(glob.glob(os.path.join(ckpt, "shard-*-of-2"))) == [os.path.join(ckpt, "shard-%d-of-2" % r)
+                                                                      for r in (0, 1)]
+    plan, _ = child.windows([9, 15], 8)
+    with tf.Graph().as_default():  # One unsharded process restores it and trains window 8: Adam's state is whole.
+        graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None)
+        with tf.compat.v1.Session() as sess:
+            tf.compat.v1.train.Saver().restore(sess, ordinary)
+            assert int(sess.run(graph["step"])) == 7
+            restored = sess.run(graph["variables"])
+            sess.run(graph["train"], child.feed(graph, np.concatenate([p for ps in plan[7] for p in ps])))
+            continued = sess.run(graph["variables"])
+    want8 = reference("adam", [9, 15], 7, extra=1)
+    for name in _NAMES:
+        np.testing.assert_array_equal(restored[name], final[0][name], err_msg=name)
+        np.testing.assert_allclose(continued[name], want8[name], err_msg=name, **_TOL)
