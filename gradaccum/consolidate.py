@@ -200,7 +200,21 @@ def consolidate(checkpoint_dir, output_prefix, step=None):
 
 
 def main(argv=None):
-    """``python -m gradaccum.consolidate CHECKPOINT_DIR OUTPUT_PREFIX [--step N]``; returns the exit status."""
+    """``python -m gradaccum.consolidate CHECKPOINT_DIR OUTPUT_PREFIX [--step N]``; returns the exit status.
+
+    Prints the written checkpoint's prefix; a bad directory or step prints
+    one line on stderr and returns 2.
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+      0 on success, 2 on an error.
+
+    Example:
+      >>> main(["/ckpt", "/ordinary/model.ckpt"])
+      0
+    """
     parser = argparse.ArgumentParser(prog="python -m gradaccum.consolidate",
                                      description="Merge a sharded job's checkpoint into an ordinary one.")
     parser.add_argument("checkpoint_dir", help="the sharded job's directory (holding shard-<r>-of-<P>/)")

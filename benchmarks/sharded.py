@@ -1,0 +1,240 @@
+"""Sharded optimizer state (gradaccum.ShardedAllReduce, ZeRO stage 1) beside the unsharded engine, per worker.
+
+For a ~10M-parameter float32 MLP with Adam inside a GradientAccumulator, at
+P = 2 and P = 4 loopback workers, each engine runs in its own P fresh
+processes (so each peak RSS is its own), the two engines one after the other
+at each P. Per worker it reports:
+
+* the bytes of the variables it holds, from its graph: model (trainable),
+  cache (the accumulator's state and ``global_step``) and slots (Adam's
+  moments and beta powers), per trained parameter;
+* its peak RSS (``ru_maxrss``), against the prediction from the variable bytes;
+* the bytes it puts on the wire per update, estimated from the graph: a ring
+  all-reduce sends ``2 (P - 1) / P`` times its buffer per worker; a
+  broadcast tree sends each owner's bytes to P - 1 workers, ``(P - 1) / P``
+  times the model per worker on average (where TF < 2.21 cannot broadcast
+  from a worker other than rank 0, those owners' variables travel by an
+  all-reduce: ``2 (P - 1) / P`` times their bytes);
+* the time per update (k micro-batches), median over the timed updates, and
+  its ratio to the unsharded engine at the same P.
+
+Usage (the parent never imports TensorFlow)::
+
+    python benchmarks/sharded.py --workers 2,4 --updates 4 --json sharded.json
+
+Keys of ``--json``: ``sharded_p4_stage1_bytes_per_param``,
+``unsharded_p4_bytes_per_param``, ``sharded_p4_stage1_peak_rss_over_unsharded``,
+``sharded_p4_stage1_time_over_unsharded`` (and the ``p2`` ones), plus
+``runs``: every worker's figures.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+MB = 2.0 ** 20
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _categories(tf):
+    """``{"model": bytes, "cache": bytes, "slots": bytes}`` of this graph's global variables."""
+    held = {"model": 0, "cache": 0, "slots": 0}
+    trainable = set(tf.compat.v1.trainable_variables())
+    for var in tf.compat.v1.global_variables():
+        size = var.shape.num_elements() * var.dtype.base_dtype.size
+        name = var.op.name
+        if var in trainable:
+            held["model"] += size
+        elif name.endswith(("/Adam", "/Adam_1")) or name in ("beta1_power", "beta2_power"):
+            held["slots"] += size
+        else:
+            held["cache"] += size
+    return held
+
+
+def _mlp(tf, widths):
+    x = tf.compat.v1.placeholder(tf.float32, [None, widths[0]], name="x")
+    y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
+    h = x
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+        w = tf.compat.v1.get_variable("w%d" % i, [fan_in, fan_out],
+                                      initializer=tf.compat.v1.glorot_uniform_initializer(seed=i))
+        b = tf.compat.v1.get_variable("b%d" % i, [fan_out], initializer=tf.compat.v1.zeros_initializer())
+        h = tf.matmul(h, w) + b
+        if i < len(widths) - 2:
+            h = tf.nn.relu(h)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=h))
+    return x, y, loss
+
+
+def _wire_bytes(reducer, size, model_bytes, from_any):
+    """Bytes this worker sends per update, estimated from the graph (see the module docstring)."""
+    ring = 2.0 * (size - 1) / size
+    total = ring * reducer.bytes_per_update
+    if hasattr(reducer, "broadcasts_per_update"):
+        # A broadcast tree: (P - 1) / P of the model per worker on average; the all-reduce that
+        # replaces it on TF < 2.21 (owners other than rank 0): at most 2 (P - 1) / P of the model.
+        total += ((size - 1.0) / size if from_any else ring) * model_bytes
+    return total
+
+
+def child(args):
+    """One worker: builds, trains a warm-up update and ``--updates`` timed ones, prints ``RESULT {json}``."""
+    import resource
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    tf.compat.v1.disable_v2_behavior()
+    import gradaccum
+    from gradaccum import _compat, cluster
+
+    config = cluster.from_environment()
+    server = cluster.start_server(config, cluster.collective_session_config(config))
+    cluster.wait_for_tasks(config, timeout_seconds=180)
+    widths = [int(w) for w in args.widths.split(",")]
+    x, y, loss = _mlp(tf, widths)
+    engine = gradaccum.ShardedAllReduce if args.child == "sharded" else gradaccum.CollectiveAllReduce
+    reducer = engine(tf.compat.v1.train.AdamOptimizer(1e-4), config)
+    opt = gradaccum.GradientAccumulator(reducer, args.k)
+    step = tf.compat.v1.train.get_or_create_global_step()
+    train = opt.minimize(loss, step, weight=tf.shape(x)[0])
+    broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
+    held = _categories(tf)
+    params = sum(v.shape.num_elements() for v in tf.compat.v1.trainable_variables())
+    rng = np.random.RandomState(config.task_index)
+    feed = {x: rng.normal(size=(args.micro, widths[0])).astype(np.float32),
+            y: rng.randint(0, widths[-1], args.micro)}
+    times = []
+    with tf.compat.v1.Session(server.target, config=cluster.collective_session_config(config)) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        sess.run(broadcast)
+        for update in range(args.updates + 1):  # The first is a warm-up.
+            start = time.perf_counter()
+            for _ in range(args.k):
+                sess.run(train, feed)
+            if update:
+                times.append(time.perf_counter() - start)
+        assert int(sess.run(step)) == args.updates + 1
+    result = dict(engine=args.child, workers=len(config.compute_tasks), rank=config.task_index, params=params,
+                  held=held, bytes_per_param=sum(held.values()) / float(params),
+                  peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  wire_bytes_per_update=_wire_bytes(reducer, len(config.compute_tasks), held["model"],
+                                                    _compat.BROADCAST_FROM_ANY_TASK),
+                  update_seconds=sorted(times)[len(times) // 2], tf_version=tf.__version__)
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # Not a normal exit: tearing down TensorFlow's gRPC server takes seconds.
+
+
+def launch(engine, workers, args):
+    """Runs one engine on ``workers`` loopback processes; returns their results, rank order."""
+    spec = {"worker": ["127.0.0.1:%d" % port for port in _free_ports(workers)]}
+    command = [sys.executable, os.path.abspath(__file__), "--child", engine, "--widths", args.widths,
+               "--k", str(args.k), "--micro", str(args.micro), "--updates", str(args.updates)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+                              env=dict(env, TF_CONFIG=json.dumps({"cluster": spec,
+                                                                  "task": {"type": "worker", "index": i}})))
+             for i in range(workers)]
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=args.timeout)
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError("%s worker failed (status %s): %s" % (engine, proc.returncode, err[-2000:]))
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return results
+
+
+def summarize(runs):
+    """The keys of ``--json`` from ``{(engine, P): [per-worker results]}``."""
+    out = {}
+    for (engine, workers), results in sorted(runs.items()):
+        if engine != "sharded" or ("unsharded", workers) not in runs:
+            continue
+        base = runs[("unsharded", workers)]
+        tag = "p%d" % workers
+        out["sharded_%s_stage1_bytes_per_param" % tag] = max(r["bytes_per_param"] for r in results)
+        out["unsharded_%s_bytes_per_param" % tag] = max(r["bytes_per_param"] for r in base)
+        out["sharded_%s_stage1_peak_rss_over_unsharded" % tag] = (max(r["peak_rss"] for r in results)
+                                                                  / float(max(r["peak_rss"] for r in base)))
+        out["sharded_%s_stage1_time_over_unsharded" % tag] = results[0]["update_seconds"] / base[0]["update_seconds"]
+        out["sharded_%s_stage1_wire_over_unsharded" % tag] = (max(r["wire_bytes_per_update"] for r in results)
+                                                              / max(r["wire_bytes_per_update"] for r in base))
+        held = [sum(r["held"].values()) for r in results]
+        out["sharded_%s_stage1_rss_drop_mb" % tag] = (max(r["peak_rss"] for r in base)
+                                                      - max(r["peak_rss"] for r in results)) / MB
+        out["sharded_%s_stage1_predicted_drop_mb" % tag] = (sum(base[0]["held"].values()) - max(held)) / MB
+    return out
+
+
+def _table(runs):
+    lines = ["| engine | P | rank | model MB | cache MB | slots MB | B/param | peak RSS MB | wire MB/update | s/update |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (engine, workers), results in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0] != "unsharded")):
+        for r in results:
+            lines.append("| %s | %d | %d | %.1f | %.1f | %.1f | %.2f | %.0f | %.1f | %.3f |" % (
+                engine, workers, r["rank"], r["held"]["model"] / MB, r["held"]["cache"] / MB,
+                r["held"]["slots"] / MB, r["bytes_per_param"], r["peak_rss"] / MB, r["wire_bytes_per_update"] / MB,
+                r["update_seconds"]))
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="2,4", help="worker counts, e.g. 2,4")
+    parser.add_argument("--widths", default="1000,2048,2048,1024,1000", help="MLP widths (default: 9.4M params)")
+    parser.add_argument("--k", type=int, default=2, help="micro-batches per update")
+    parser.add_argument("--micro", type=int, default=16, help="examples per micro-batch")
+    parser.add_argument("--updates", type=int, default=4, help="timed updates per run (after one warm-up)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--child", choices=("sharded", "unsharded"), default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return child(args)
+    runs = {}
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for engine in ("unsharded", "sharded"):
+            started = time.time()
+            runs[(engine, workers)] = launch(engine, workers, args)
+            print("%s P=%d: %.0f s" % (engine, workers, time.time() - started), file=sys.stderr, flush=True)
+    summary = summarize(runs)
+    print(_table(runs))
+    print()
+    for key, value in sorted(summary.items()):
+        print("%-48s %.3f" % (key, value))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(dict(summary, runs=[r for results in runs.values() for r in results],
+                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())), handle, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
