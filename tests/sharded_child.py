@@ -6,7 +6,7 @@ trained on 24 fixed points. Worker r reads its own uneven share
 ``--empty-window`` feeds nothing anywhere (zero weight); window
 ``--nan-window`` puts a NaN into the last worker's first micro-batch (skipped
 with ``skip_nonfinite``). ``--runs`` lists ``engine-optimizer`` trainings
-(``sharded-adam``, ``collective-sgd``, ...), one graph each, in this one
+(``sharded-adam``, ``sharded-adamclip`` with ``clip_norm``, ``collective-sgd``, ...), one graph each, in this one
 process; each writes ``<out>-<run>-worker<r>.npz``. With ``--checkpoint-dir``
 (one run), every worker saves its shard every ``--checkpoint-every`` steps
 and at the end, and restores its shard of the newest common step on start;
@@ -36,8 +36,12 @@ def initial_values():
             ("w2", rng.normal(size=(5, 1)) / 2), ("b2", np.zeros(1)), ("scale", np.ones(3))]
 
 
-def build(tf, make_optimizer, k=K, skip_nonfinite=True):
-    """The graph's tensors: placeholders, loss, train op, variables by name, global step."""
+def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None):
+    """The graph's tensors: placeholders, loss, train op, variables by name, global step.
+
+    ``k=None``: the plain optimizer (clipped by ``tf.clip_by_global_norm``
+    with ``clip_norm``), one run per update, the reference.
+    """
     x = tf.compat.v1.placeholder(tf.float64, [None, 3], name="x")
     ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
     y = tf.compat.v1.placeholder(tf.float64, [None, 1], name="y")
@@ -48,16 +52,22 @@ def build(tf, make_optimizer, k=K, skip_nonfinite=True):
     loss = tf.reduce_sum(tf.square(tf.matmul(h, v["w2"]) + v["b2"] - y)) / tf.maximum(tf.cast(n, tf.float64), 1.0)
     opt = make_optimizer()
     if k is None:
-        train = opt.minimize(loss, step)
+        grads, variables = zip(*opt.compute_gradients(loss))
+        if clip_norm is not None:
+            grads, _ = tf.clip_by_global_norm(list(grads), clip_norm)
+        train = opt.apply_gradients(list(zip(grads, variables)), step)
     else:
         import gradaccum
-        opt = gradaccum.GradientAccumulator(opt, k, skip_nonfinite=skip_nonfinite)
+        opt = gradaccum.GradientAccumulator(opt, k, skip_nonfinite=skip_nonfinite, clip_norm=clip_norm)
         train = opt.minimize(loss, step, weight=n)
     return dict(x=x, ids=ids, y=y, loss=loss, train=train, variables=v, step=step, opt=opt)
 
 
+CLIP_NORM = 0.05  # "adamclip": Adam after clip_norm, which binds on every window here
+
+
 def optimizer(tf, name):
-    if name == "adam":
+    if name.startswith("adam"):
         return tf.compat.v1.train.AdamOptimizer(0.05)
     return tf.compat.v1.train.GradientDescentOptimizer(0.1)
 
@@ -106,7 +116,8 @@ def _run(tf, args, config, server, run, after_training):
     size, rank = len(config.compute_tasks), config.compute_tasks.index((config.task_type, config.task_index))
     make = gradaccum.ShardedAllReduce if engine == "sharded" else gradaccum.CollectiveAllReduce
     with tf.Graph().as_default() as g:
-        graph = build(tf, lambda: make(optimizer(tf, opt_name), config, timeout_seconds=60))
+        graph = build(tf, lambda: make(optimizer(tf, opt_name), config, timeout_seconds=60),
+                      clip_norm=CLIP_NORM if opt_name == "adamclip" else None)
         broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
         init = tf.compat.v1.global_variables_initializer()
         saver = tf.compat.v1.train.Saver(max_to_keep=10)

@@ -5,8 +5,8 @@ errors, the graph a worker of two builds (slots, broadcasts, their order and
 keys) and the consolidation of shards written without training. The
 ``distributed`` ones start loopback workers of tests/sharded_child.py
 directly (float64, a sparse ``tf.gather`` variable, uneven shares and
-micro-batches, a zero-weight window and a NaN window) and compare with the
-unsharded engine in the same processes and with one process on the union of
+micro-batches, a zero-weight window and a NaN window, with and without
+``clip_norm``) and compare with the unsharded engine in the same processes and with one process on the union of
 the data (this process), to 1e-9.
 """
 import glob
@@ -87,8 +87,9 @@ def test_bad_combinations_are_one_clear_line():
 def reference(opt_name, shares, count, empty=None, nan=None, extra=0):
     """One process, plain optimizer, one run per applied window on the union of the workers' points."""
     plan, skipped = child.windows(shares, count + extra, empty, nan)
+    clip = child.CLIP_NORM if opt_name == "adamclip" else None
     with tf.Graph().as_default():
-        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None)
+        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None, clip_norm=clip)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for w in range(count + extra):
@@ -263,7 +264,8 @@ def _load(out, run, rank):
 @pytest.mark.distributed
 @pytest.mark.parametrize("shares", [[9, 15], [5, 12, 7]])
 def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, tmp_path):
-    out, workers, runs = str(tmp_path / "run"), len(shares), ["sharded-adam", "sharded-sgd", "collective-adam"]
+    out, workers = str(tmp_path / "run"), len(shares)
+    runs = ["sharded-adam", "sharded-sgd", "sharded-adamclip", "collective-adam"]
     results = _run_job(workers, ["--runs", ",".join(runs), "--shares", ",".join(map(str, shares)),
                                  "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out])
     assert [status for status, _, _ in results] == [0] * workers, [err[-2000:] for _, _, err in results]
@@ -285,11 +287,13 @@ def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, tmp_
             held = values["held_names"].tolist()
             slots = sorted(n.rsplit("/", 1)[0] for n in held if n.endswith(("/Adam", "/Adam_1")))
             mine = sorted(n for n in _NAMES if owners[n] == rank)
-            assert slots == (sorted(mine * 2) if opt_name == "adam" else []), (run, rank)
-            assert held.count("beta1_power") == (1 if opt_name == "adam" else 0)
+            assert slots == (sorted(mine * 2) if opt_name != "sgd" else []), (run, rank)
+            assert held.count("beta1_power") == (1 if opt_name != "sgd" else 0)
             assert values["owner_ranks"].tolist() == got[0]["owner_ranks"].tolist()
     for name in _NAMES:  # and the unsharded engine's Adam, in the same processes
         np.testing.assert_allclose(_load(out, "sharded-adam", 0)[name], unsharded[0][name], **_TOL)
+    clipped = _load(out, "sharded-adamclip", 0)  # The clip bound: the whole gradient's norm, on every worker.
+    assert not np.allclose(clipped["w1"], unsharded[0]["w1"], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.distributed
