@@ -80,8 +80,8 @@ def _group(config):
         raise TypeError("`config` must be a gradaccum.cluster.ClusterConfig or None, got %s"
                         % _validate.describe(config))
     if me not in tasks:
-        raise ValueError("`config` must be a chief or worker task's (ps tasks take no part in collectives), "
-                         "got %s" % config.task_name)
+        raise ValueError("`config` must be a chief or worker task's (ps and evaluator tasks take no part in "
+                         "collectives), got %s" % config.task_name)
     return len(tasks), tasks.index(me), "/job:%s/replica:0/task:%d" % tasks[0]
 
 
@@ -195,7 +195,7 @@ class CollectiveAllReduce(Reducer):
         ``buffer_bytes`` or ``name``.
 
     Example:
-      >>> config = cluster.load_tf_config()
+      >>> config = cluster.from_environment()
       >>> opt = gradaccum.GradientAccumulator(
       ...     cluster.CollectiveAllReduce(tf.compat.v1.train.AdamOptimizer(1e-3), config), 4)
       >>> train_op = opt.minimize(loss, global_step=global_step, weight=tf.shape(x)[0])

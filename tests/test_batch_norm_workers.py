@@ -42,8 +42,8 @@ def test_bad_config_or_timeout_is_one_clear_error():
     with pytest.raises(TypeError, match=r"^`config` must be a gradaccum.cluster.ClusterConfig or None, "
                                         r"got 'worker:0'$"):
         cluster.synchronized_batch_norm("worker:0")
-    with pytest.raises(ValueError, match=r"^`config` must be a chief or worker task's \(ps tasks take no part "
-                                         r"in collectives\), got ps:0$"):
+    with pytest.raises(ValueError, match=r"^`config` must be a chief or worker task's \(ps and evaluator tasks "
+                                         r"take no part in collectives\), got ps:0$"):
         cluster.synchronized_batch_norm(_config(2, 0, ps=1, job="ps"))
     with pytest.raises(ValueError, match=r"`timeout_seconds` must be None or a finite number > 0, got 0"):
         cluster.synchronized_batch_norm(None, timeout_seconds=0)
