@@ -67,11 +67,10 @@ import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
-if EXAMPLES not in sys.path:  # The example's CNN, and the examples' one-line flag parser.
-    sys.path.insert(0, EXAMPLES)
+if HERE not in sys.path:  # The benchmarks' own CNN (model.py) and flag parser (flags.py).
+    sys.path.insert(0, HERE)
 
-from _cli import OneLineParser  # noqa: E402,F401  (run.py's and soak.py's parser; imports no TF)
+from flags import OneLineParser  # noqa: E402,F401  (run.py's and soak.py's parser; imports no TF)
 RESULT_PREFIX = "BENCH_RESULT "
 MB = 1024.0 * 1024.0
 LEARNING_RATE = 1e-3  # Adam, for timing; small enough to stay finite on random labels.
@@ -147,7 +146,7 @@ def cnn(images, labels, width=16, batch_norm=None):
     """
     import inspect
 
-    import fashion_mnist_subdivision as example
+    import model as example
 
     if batch_norm is None:
         return _mean_xent(labels, example.build_logits(images, True, width))
