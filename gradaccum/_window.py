@@ -65,11 +65,12 @@ averaged update (the reducer or the wrapped optimizer); ``size`` is a
 WindowObserver``, called once per window, in its name scope."""
 
 Step = collections.namedtuple("Step", [
-    "global_step", "name", "weight", "update_ops", "observers", "small_batches", "weighted_grads"])
+    "global_step", "name", "weight", "update_ops", "small_batches", "weighted_grads", "observers"],
+    defaults=[()])
 """What one train op adds to the config: its ``global_step``, its op name,
 the micro-batch ``weight``, the update ops to run first on every micro-batch,
-its own observers (window batch-norm statistics), the towers' shards and
-whether the gradients already carry ``weight``."""
+the towers' shards, whether the gradients already carry ``weight``, and its
+own observers (window batch-norm statistics)."""
 
 # One variable's accumulation state; ``touched`` is None for dense gradients.
 _Slot = collections.namedtuple("_Slot", ["var", "accum", "touched"])
@@ -214,7 +215,7 @@ def build(config, grads_and_vars, pairs, step):
       A :class:`Window`.
 
     Example:
-      >>> window = build(config, gv, gv, Step(step, None, None, [], [], None, False))
+      >>> window = build(config, gv, gv, Step(step, None, None, [], None, False))
     """
     if config.size.k == 1:
         return _build_direct(config, grads_and_vars, pairs, step)

@@ -122,16 +122,15 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
             )
         self._size = _window_size(num_micro_batches)
         self._given = num_micro_batches
-        given = _check_observers(observers)
-        # A policy that sizes windows also watches them (AdaptiveBatch).
-        given += [num_micro_batches] if isinstance(num_micro_batches, WindowObserver) else []
+        given = _check_observers(observers) + _policy(num_micro_batches)
         self._clip_norm = _validate.check_positive_number(clip_norm, "clip_norm")
         self._accumulation_dtype = _check_accumulation_dtype(accumulation_dtype)
         self._skip_nonfinite = _validate.check_bool(skip_nonfinite, "skip_nonfinite")
         self._use_statistics = (_validate.check_bool(statistics, "statistics")
                                 or any(observer.uses_statistics for observer in given))
+        # Called once per train op: statistics are per window; the observers given serve all.
         self._observers = ([_statistics.create] if self._use_statistics else []) + [
-            (lambda observer: lambda pairs, dtype: observer)(observer) for observer in given]
+            _shared(observer) for observer in given]
         # Facts about the wrapped chain, which never changes: read once, not per build step.
         self._reducer = optimizer if isinstance(optimizer, Reducer) else None
         self._loss_scaled = _loss_scaled(optimizer, loss_scaling)
@@ -214,7 +213,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
             raise ValueError(
                 "No gradients provided for any variable, check your graph for ops that do not support "
                 "gradients, between variables %s and loss %s." % ([str(v) for _, v in grads_and_vars], loss))
-        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, [], None, weighted_grads))
+        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, None, weighted_grads))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None,
                         update_ops=None, small_batches=None):
@@ -260,7 +259,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
           >>> grads_and_vars = opt.compute_gradients(loss)
           >>> train_op = opt.apply_gradients(grads_and_vars, global_step)
         """
-        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, [], small_batches, False))
+        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, small_batches, False))
 
     def _build(self, grads_and_vars, step):
         """``apply_gradients`` for one :data:`gradaccum._window.Step` (its update ops not yet split)."""
@@ -332,6 +331,15 @@ def _window_size(num_micro_batches):
     if callable(num_micro_batches):
         return _window.WindowSize(fn=num_micro_batches, needs_global_step=True)
     return _window.WindowSize(k=_validate.check_positive_int(num_micro_batches, "num_micro_batches"))
+
+
+def _policy(num_micro_batches):
+    """``[num_micro_batches]`` when it also watches the windows it sizes (``AdaptiveBatch``), else ``[]``."""
+    return [num_micro_batches] if isinstance(num_micro_batches, WindowObserver) else []
+
+
+def _shared(observer):
+    return lambda pairs, dtype: observer
 
 
 def _check_observers(observers):

@@ -167,8 +167,9 @@ class CollectiveAllReduce(Reducer):
 
     * Inside a ``GradientAccumulator`` (the accumulator wraps this
       optimizer) it is the window's reducer (``gradaccum.reducers``) and
-      communicates once per applied update, never per micro-batch: each worker contributes ``sum_i w_i * g_i`` over its window
-      and ``sum_i w_i``, so workers with different batch sizes, different
+      communicates once per applied update, never per micro-batch: each
+      worker contributes ``sum_i w_i * g_i`` over its window and
+      ``sum_i w_i``, so workers with different batch sizes, different
       weights, or an empty window (weight 0) still give the global weighted
       mean; a window skipped for zero total weight or (``skip_nonfinite``) a
       non-finite sum is skipped on every worker together.

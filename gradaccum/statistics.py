@@ -90,9 +90,9 @@ def create(pairs, dtype, decay=DEFAULT_DECAY):
 class GradientStatistics(WindowObserver):
     """The noise-scale state of one accumulator, and the ops that update it.
 
-    Built by :func:`create`; a window observer: :meth:`observe_small` per
-    micro-step, :meth:`observe_big` per applied window, :meth:`discard` else. Read the estimates from :attr:`noise_scale`,
-    :attr:`gradient_sq_norm` and :attr:`noise_trace`.
+    Built by :func:`create`; a window observer (:meth:`observe_small`,
+    :meth:`observe_big`, :meth:`discard`). Read the estimates from
+    :attr:`noise_scale`, :attr:`gradient_sq_norm` and :attr:`noise_trace`.
 
     Args:
       pairs: as :func:`create`.
