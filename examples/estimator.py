@@ -1,91 +1,72 @@
-"""A ``tf.estimator.Estimator`` whose ``model_fn`` trains through a GradientAccumulator.
+"""A tf.estimator.Estimator whose model_fn trains through a GradientAccumulator (TF 1.15 to 2.15).
 
-The ``model_fn`` builds a Fashion-MNIST MLP and
-``GradientAccumulator(AdamOptimizer(lr), k).minimize(loss, global_step, weight=batch size)``;
-the ``input_fn`` yields micro-batches. ``Estimator.train(max_steps=N)`` then
-stops after N applied updates (N * k micro-batches), because ``global_step``
-counts updates; checkpoints hold the accumulator's state, so a ``train`` call
-that ends in the middle of a window is resumed exactly by the next one; and
-``evaluate`` restores the checkpoint as usual.
-
-``tf.estimator`` exists up to TensorFlow 2.15: on newer TensorFlow this
-script prints one line saying so and exits with status 2.
-
-Data: ``idx_data.load_dataset`` (``--data-dir``, the Keras cache,
-``/usr/share/datasets/fashion-mnist``, a download unless ``--offline``, else
-scikit-learn's digits), announced in one line. Bad flags exit with one line
-and status 2. Quiet by default; ``--verbose`` shows TensorFlow's logs.
-``GRADACCUM_TF_MODE=tf2`` uses ``disable_eager_execution()`` only instead of
-``disable_v2_behavior()``.
-
-Graph state (in the Estimator's graph and checkpoints): the MLP's variables
-under ``mlp/``, ``global_step``, Adam's slots and beta powers, and the
-accumulator's state (see ``gradaccum.accumulator``).
-
-Example:
-  python examples/estimator.py --micro-batch 50 --micro-batches 4 --max-steps 20 --train-examples 2000
-"""
+The input_fn yields micro-batches. Estimator.train(max_steps=N) stops after N applied updates
+(N * k micro-batches): global_step counts updates. Checkpoints hold the accumulator's state, so a
+train call that ends inside a window is resumed exactly by the next one."""
+import argparse
 import shutil
-import sys
 import tempfile
+import importlib.util
+import os
+import sys
 import time
+import warnings
 
-import _quiet
+import numpy as np
 
-VERBOSE = __name__ == "__main__" and "--verbose" in sys.argv[1:]
-_quiet.before_import(VERBOSE)
+VERBOSE, saved_stderr = "--verbose" in sys.argv[1:], os.dup(2)
+if importlib.util.find_spec("tf_keras"):  # tf.compat.v1.layers on TensorFlow >= 2.16
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+if not VERBOSE:  # TF >= 2.16 prints C++ start-up lines whatever TF_CPP_MIN_LOG_LEVEL says
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    warnings.filterwarnings("ignore")
+try:
+    import tensorflow as tf
+    tf.compat.v1.layers.Layer  # tf-keras loads here, quietly too
+finally:
+    os.dup2(saved_stderr, 2)
+tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.INFO if VERBOSE else tf.compat.v1.logging.ERROR)
 
-import _cli  # noqa: E402
-from _cli import fail  # noqa: E402
-
-NEEDS = "needs tf.estimator, which exists only up to TensorFlow 2.15"
-
-
-def parse_args(argv=None):
-    """Parses the flags; bad input exits with one line and status 2.
-
-    Args:
-      argv: the arguments, without the program name.
-
-    Returns:
-      An ``argparse.Namespace``.
-
-    Example:
-      >>> args = parse_args(["--max-steps", "20"])
-    """
-    parser = _cli.small_model_parser(__doc__.splitlines()[0], "examples per micro-batch (default 100)",
-                                     "graph seed (default 0)")
-    parser.add_argument("--max-steps", type=_cli.positive_int("--max-steps"), default=300,
-                        help="applied updates to train: Estimator.train(max_steps=...) (default 300)")
-    parser.add_argument("--model-dir", default=None,
-                        help="checkpoint directory (default: a temporary one, removed at the end)")
-    return _cli.parse_checked(parser, argv)
+import gradaccum  # noqa: E402
+import fashion_mnist_data  # noqa: E402
 
 
+def fail(message):
+    sys.stderr.write("%s: error: %s\n" % (os.path.basename(sys.argv[0]), message))
+    sys.exit(2)
 
-with _quiet.native_stderr(VERBOSE):
-    import tensorflow as tf  # noqa: E402
 
-    import gradaccum  # noqa: E402
+def positive(flag):
+    def parse(text):
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError("`%s` must be an int >= 1, got %r" % (flag, text))
+        return int(text)
+    return parse
 
-    if VERBOSE is False and __name__ == "__main__":
-        _quiet.after_import(tf)
 
-TF_VERSION = tuple(int(part) for part in tf.__version__.split(".")[:2])
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.error = fail  # one line, without the usage block
+    add = parser.add_argument
+    add("--micro-batch", type=positive("--micro-batch"), default=100, help="examples per micro-batch (100)")
+    add("--micro-batches", type=positive("--micro-batches"), default=4, help="micro-batches per update (4)")
+    add("--max-steps", type=positive("--max-steps"), default=300, help="updates: train(max_steps=) (300)")
+    add("--model-dir", help="checkpoint directory (default: a temporary one, removed at the end)")
+    add("--train-examples", type=positive("--train-examples"), default=None, help="use only the first N")
+    add("--hidden", type=positive("--hidden"), default=128, help="hidden units (128)")
+    add("--learning-rate", type=float, default=1e-3, help="Adam's (1e-3)")
+    add("--data-dir", help="a directory with the four Fashion-MNIST IDX files")
+    add("--offline", action="store_true", help="do not try to download Fashion-MNIST")
+    add("--seed", type=int, default=0, help="graph seed (0)")
+    add("--verbose", action="store_true", help="show TensorFlow's log messages")
+    args = parser.parse_args()
+    if not args.learning_rate > 0:
+        fail("`--learning-rate` must be > 0, got %r" % args.learning_rate)
+    return args
 
 
 def make_model_fn(args):
-    """Returns the ``model_fn``: an MLP, a mean cross-entropy, and the accumulator in TRAIN mode.
-
-    Args:
-      args: the flags (``hidden``, ``learning_rate``, ``micro_batches``).
-
-    Returns:
-      A ``model_fn(features, labels, mode)`` for ``tf.estimator.Estimator``.
-
-    Example:
-      >>> estimator = tf.estimator.Estimator(make_model_fn(args), model_dir)
-    """
     def model_fn(features, labels, mode):
         with tf.compat.v1.variable_scope("mlp"):
             hidden = tf.compat.v1.layers.dense(tf.reshape(features, [-1, 28 * 28]), args.hidden, tf.nn.relu)
@@ -99,58 +80,29 @@ def make_model_fn(args):
         train_op = opt.minimize(loss, global_step=tf.compat.v1.train.get_global_step(),
                                 weight=tf.shape(labels)[0])  # exact also for a smaller last micro-batch
         return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
     return model_fn
 
 
 def input_fn(images, labels, batch, repeat):
-    """Returns an ``input_fn`` over numpy arrays, in batches of ``batch``.
-
-    Args:
-      images: float32 ``[N, 28, 28, 1]``.
-      labels: int32 ``[N]``.
-      batch: examples per batch (the micro-batch when training).
-      repeat: cycle forever, shuffled with a fixed seed (training), or once in order.
-
-    Returns:
-      A function returning a ``tf.data.Dataset`` of ``(images, labels)``.
-
-    Example:
-      >>> estimator.train(input_fn(x, y, 100, repeat=True), max_steps=10)
-    """
-    def make():
-        data = tf.compat.v1.data.Dataset.from_tensor_slices((images, labels))
-        if repeat:
-            data = data.shuffle(len(labels), seed=0).repeat()
-        return data.batch(batch)
-
-    return make
+    data = tf.compat.v1.data.Dataset.from_tensor_slices
+    return lambda: (data((images, labels)).shuffle(len(labels), seed=0).repeat() if repeat
+                    else data((images, labels))).batch(batch)
 
 
-def main(args, data):
-    """Trains ``--max-steps`` updates, evaluates, prints three lines; returns the exit status.
-
-    Args:
-      args: the flags.
-      data: an ``idx_data.Dataset``.
-
-    Returns:
-      0.
-
-    Example:
-      >>> sys.exit(main(*_cli.prepare(parse_args)))
-    """
-    _cli.graph_mode(tf)
+def main(args):
+    try:
+        data = fashion_mnist_data.load(args.data_dir, download_ok=not args.offline)
+    except ValueError as error:
+        fail(error)
+    tf.compat.v1.disable_v2_behavior()  # graph mode; TensorFlow 1.x needs no such line
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="gradaccum_estimator_")
     try:
-        config = tf.estimator.RunConfig(model_dir=model_dir, tf_random_seed=args.seed,
-                                        log_step_count_steps=None if not args.verbose else 100)
+        config = tf.estimator.RunConfig(model_dir=model_dir, tf_random_seed=args.seed, log_step_count_steps=None)
         estimator = tf.estimator.Estimator(make_model_fn(args), config=config)
         x, y = data.train_images[:args.train_examples], data.train_labels[:args.train_examples]
-        k, micro = args.micro_batches, args.micro_batch
+        k, micro, start = args.micro_batches, args.micro_batch, time.time()
         print("Estimator.train(max_steps=%d) with GradientAccumulator(Adam %g, %d) on micro-batches of %d: "
               "each update is a batch of %d" % (args.max_steps, args.learning_rate, k, micro, micro * k))
-        start = time.time()
         estimator.train(input_fn(x, y, micro, repeat=True), max_steps=args.max_steps)
         metrics = estimator.evaluate(input_fn(data.test_images, data.test_labels, 1000, repeat=False))
         print("global_step %d (updates; %d micro-batches), test loss %.4f, test accuracy %.4f, %.1f s"
@@ -159,13 +111,10 @@ def main(args, data):
     finally:
         if args.model_dir is None:
             shutil.rmtree(model_dir, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":
-    if TF_VERSION >= (2, 16) or getattr(tf, "estimator", None) is None:
-        fail("%s (this is TensorFlow %s); use examples/keras_fit.py or a session loop" % (NEEDS, tf.__version__))
-    ARGS, DATA = _cli.prepare(parse_args)
-    with _quiet.native_stderr(VERBOSE):
-        STATUS = main(ARGS, DATA)
-    sys.exit(STATUS)
+    if getattr(tf, "estimator", None) is None or tuple(map(int, tf.__version__.split(".")[:2])) >= (2, 16):
+        fail("needs tf.estimator, which exists only up to TensorFlow 2.15 (this is TensorFlow %s); use "
+             "examples/keras_fit.py or a session loop" % tf.__version__)
+    main(parse_args())
