@@ -16,11 +16,18 @@ at each P. Per worker it reports:
   from a worker other than rank 0, those owners' variables travel by an
   all-reduce: ``2 (P - 1) / P`` times their bytes);
 * the time per update (k micro-batches), median over the timed updates, and
-  its ratio to the unsharded engine at the same P.
+  its ratio to the unsharded engine at the same P (``--rounds`` alternating
+  runs of each engine; the median of the per-round ratios).
+
+The default model is 8 dense layers of 1120 x 1120 (10.0M parameters), so
+that whole variables share out evenly over 2 and 4 workers; with
+``--widths 1000,2048,2048,1024,1000`` (9.4M) one layer holds 45% of the
+parameters and its owner holds its slots alone (the partition's documented
+imbalance).
 
 Usage (the parent never imports TensorFlow)::
 
-    python benchmarks/sharded.py --workers 2,4 --updates 4 --json sharded.json
+    python benchmarks/sharded.py --workers 2,4 --updates 4 --rounds 2 --json sharded.json
 
 Keys of ``--json``: ``sharded_p4_stage1_bytes_per_param``,
 ``unsharded_p4_bytes_per_param``, ``sharded_p4_stage1_peak_rss_over_unsharded``,
@@ -167,33 +174,45 @@ def launch(engine, workers, args):
     return results
 
 
+def _median(values):
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2.0
+
+
 def summarize(runs):
-    """The keys of ``--json`` from ``{(engine, P): [per-worker results]}``."""
+    """The keys of ``--json`` from ``{(engine, P): [round: [per-worker results]]}``.
+
+    Per round, the worst worker's bytes and peak RSS and worker 0's time per
+    update (every worker waits for the others in each update); a ratio is
+    the median over the rounds of the per-round ratios.
+    """
     out = {}
-    for (engine, workers), results in sorted(runs.items()):
+    for (engine, workers), rounds in sorted(runs.items()):
         if engine != "sharded" or ("unsharded", workers) not in runs:
             continue
-        base = runs[("unsharded", workers)]
-        tag = "p%d" % workers
-        out["sharded_%s_stage1_bytes_per_param" % tag] = max(r["bytes_per_param"] for r in results)
-        out["unsharded_%s_bytes_per_param" % tag] = max(r["bytes_per_param"] for r in base)
-        out["sharded_%s_stage1_peak_rss_over_unsharded" % tag] = (max(r["peak_rss"] for r in results)
-                                                                  / float(max(r["peak_rss"] for r in base)))
-        out["sharded_%s_stage1_time_over_unsharded" % tag] = results[0]["update_seconds"] / base[0]["update_seconds"]
-        out["sharded_%s_stage1_wire_over_unsharded" % tag] = (max(r["wire_bytes_per_update"] for r in results)
-                                                              / max(r["wire_bytes_per_update"] for r in base))
-        held = [sum(r["held"].values()) for r in results]
-        out["sharded_%s_stage1_rss_drop_mb" % tag] = (max(r["peak_rss"] for r in base)
-                                                      - max(r["peak_rss"] for r in results)) / MB
-        out["sharded_%s_stage1_predicted_drop_mb" % tag] = (sum(base[0]["held"].values()) - max(held)) / MB
+        base, tag = runs[("unsharded", workers)], "p%d" % workers
+        worst = lambda results, key: max(r[key] for r in results)  # noqa: E731
+        out["sharded_%s_stage1_bytes_per_param" % tag] = worst(rounds[0], "bytes_per_param")
+        out["unsharded_%s_bytes_per_param" % tag] = worst(base[0], "bytes_per_param")
+        out["sharded_%s_stage1_peak_rss_over_unsharded" % tag] = _median(
+            [worst(s, "peak_rss") / float(worst(u, "peak_rss")) for s, u in zip(rounds, base)])
+        out["sharded_%s_stage1_time_over_unsharded" % tag] = _median(
+            [s[0]["update_seconds"] / u[0]["update_seconds"] for s, u in zip(rounds, base)])
+        out["sharded_%s_stage1_wire_over_unsharded" % tag] = (worst(rounds[0], "wire_bytes_per_update")
+                                                              / worst(base[0], "wire_bytes_per_update"))
+        out["sharded_%s_stage1_rss_drop_mb" % tag] = _median(
+            [(worst(u, "peak_rss") - worst(s, "peak_rss")) / MB for s, u in zip(rounds, base)])
+        out["sharded_%s_stage1_predicted_drop_mb" % tag] = (
+            sum(base[0][0]["held"].values()) - max(sum(r["held"].values()) for r in rounds[0])) / MB
     return out
 
 
 def _table(runs):
     lines = ["| engine | P | rank | model MB | cache MB | slots MB | B/param | peak RSS MB | wire MB/update | s/update |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (engine, workers), results in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0] != "unsharded")):
-        for r in results:
+    for (engine, workers), rounds in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0] != "unsharded")):
+        for r in rounds[0]:
             lines.append("| %s | %d | %d | %.1f | %.1f | %.1f | %.2f | %.0f | %.1f | %.3f |" % (
                 engine, workers, r["rank"], r["held"]["model"] / MB, r["held"]["cache"] / MB,
                 r["held"]["slots"] / MB, r["bytes_per_param"], r["peak_rss"] / MB, r["wire_bytes_per_update"] / MB,
@@ -204,7 +223,9 @@ def _table(runs):
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2,4", help="worker counts, e.g. 2,4")
-    parser.add_argument("--widths", default="1000,2048,2048,1024,1000", help="MLP widths (default: 9.4M params)")
+    parser.add_argument("--widths", default=",".join(["1120"] * 9),
+                        help="MLP widths (default: 8 layers of 1120 x 1120, 10.0M params)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each engine, alternating, per P")
     parser.add_argument("--k", type=int, default=2, help="micro-batches per update")
     parser.add_argument("--micro", type=int, default=16, help="examples per micro-batch")
     parser.add_argument("--updates", type=int, default=4, help="timed updates per run (after one warm-up)")
@@ -220,10 +241,12 @@ def main(argv=None):
         return child(args)
     runs = {}
     for workers in [int(w) for w in args.workers.split(",")]:
-        for engine in ("unsharded", "sharded"):
-            started = time.time()
-            runs[(engine, workers)] = launch(engine, workers, args)
-            print("%s P=%d: %.0f s" % (engine, workers, time.time() - started), file=sys.stderr, flush=True)
+        for round_ in range(args.rounds):  # Alternating: unsharded first in even rounds, sharded in odd ones.
+            for engine in ("unsharded", "sharded")[::1 if round_ % 2 == 0 else -1]:
+                started = time.time()
+                runs.setdefault((engine, workers), []).append(launch(engine, workers, args))
+                print("%s P=%d round %d: %.0f s" % (engine, workers, round_, time.time() - started),
+                      file=sys.stderr, flush=True)
     summary = summarize(runs)
     print(_table(runs))
     print()
@@ -231,7 +254,7 @@ def main(argv=None):
         print("%-48s %.3f" % (key, value))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(dict(summary, runs=[r for results in runs.values() for r in results],
+            json.dump(dict(summary, runs=[r for rounds in runs.values() for results in rounds for r in results],
                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())), handle, indent=1, sort_keys=True)
     return 0
 

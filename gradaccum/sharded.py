@@ -227,15 +227,20 @@ class ShardedAllReduce(CollectiveAllReduce):
         return tf.group(count, name=name)
 
     def _broadcast_from_owners(self, variables, owners, applied):
-        """Per owner, in rank order (alike on every worker): its variables, packed, broadcast after its update."""
+        """Per owner, in rank order (alike on every worker): its variables, packed, broadcast after its update.
+
+        One owner's broadcasts at a time (each waits for the previous owner's
+        to land), so that the transient buffers of one share, not of the whole
+        model, are alive at once.
+        """
         done, self._broadcasts, self._sent_bytes = [applied], 0, 0
         for owner in range(self._size):
             held = [var for var, rank in zip(variables, owners) if rank == owner]
             if not held:
                 continue
             sending = owner == self._rank
-            with tf.control_dependencies([applied] if sending else None):
-                values = [var.read_value() if sending else tf.convert_to_tensor(var) for var in held]
+            with tf.control_dependencies(done[-1:] + ([applied] if sending else [])):
+                values = [var.read_value() if sending else tf.identity(var) for var in held]
 
             def exchange(piece, sending=sending, leads=owner == 0):
                 if sending or not (leads or BROADCAST_FROM_ANY_TASK):  # an all-reduce: everyone sends
@@ -243,7 +248,8 @@ class ShardedAllReduce(CollectiveAllReduce):
                 return collective_broadcast_from(piece, sending, leads, self._size, GROUP_KEY, next(_instance_keys),
                                                  self._timeout, device=_device(self._config))
 
-            received, count = _packed(values, self._buffer_bytes, exchange)
+            with tf.control_dependencies(done[-1:]):
+                received, count = _packed(values, self._buffer_bytes, exchange)
             self._broadcasts += count
             if sending:
                 done.append(tf.group(*received, name="sent_%d" % owner))

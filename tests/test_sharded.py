@@ -163,9 +163,12 @@ def test_a_worker_builds_slots_for_its_variables_only_and_broadcasts_after_its_u
         bytes_of = dict((n, built["variables"][n].shape.num_elements() * 8) for n in _NAMES)
         assert reducer.broadcast_bytes_per_update == sum(bytes_of[n] for n in _NAMES if owners[_NAMES.index(n)] == rank
                                                          or (owners[_NAMES.index(n)] == 1 and reduces))
-        written = set(_source(op.inputs[0]) for op in _ancestors(sends[0])
-                      if op.inputs and any(word in op.type for word in ("Apply", "Assign", "Scatter")))
+        written = set(_source(op.inputs[0]) for op in _ancestors(sends[0]) if op.inputs and "_broadcast/" not in
+                      op.name and any(word in op.type for word in ("Apply", "Assign", "Scatter")))
         assert sorted(written & set(_NAMES)) == mine  # The send waits for this worker's update, of its own.
+        # One owner at a time: rank 1's broadcast waits for rank 0's to land, on both workers.
+        first, second = sorted(sends + recvs, key=lambda op: op.get_attr("instance_key"))
+        assert first in _ancestors(second) and second not in _ancestors(first)
         collectives = sorted((op for op in ops if op.type.startswith("Collective")),
                              key=lambda op: op.get_attr("instance_key"))
         first = collectives[0].get_attr("instance_key")
