@@ -28,7 +28,8 @@ author = "the gradaccum authors"
 copyright = "the gradaccum authors"
 release = version = gradaccum.__version__
 
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.autosummary", "sphinx.ext.napoleon"]
+autosummary_generate = False  # The topic pages' tables link to the entries on the same page.
 source_suffix = {".md": "markdown"}
 root_doc = "index"
 # compare_batches.md is a generated table that the Fashion-MNIST guide includes; README.md says how to build.
@@ -53,6 +54,8 @@ nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(tf|np|numpy|tensorflow)\..*"),
     (r"py:.*", r".*\s.*"),
+    # Internals that docstrings name but the API pages leave out on purpose.
+    (r"py:.*", r"(gradaccum\.\w+\.)?(create|GROUP_KEY|skipped|CollectiveAllReduce\.apply_reduced)"),
 ]
 
 html_theme = "furo"
