@@ -58,6 +58,9 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(gradaccum\.\w+\.)?(create|GROUP_KEY|skipped|CollectiveAllReduce\.apply_reduced)"),
 ]
 
+# A fence without a language is program output: plain text, not Python.
+highlight_language = "text"
+
 html_theme = "furo"
 html_title = "gradaccum %s" % release
 html_show_sourcelink = False

@@ -41,7 +41,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.error = fail  # one line, without the usage block
     parser.add_argument("--epochs", type=int, default=3, help="passes over the training set (3)")
-    parser.add_argument("--micro-batch", type=int, default=100, help="examples per micro-batch (100)")
+    parser.add_argument("--micro-batch", type=int, default=25, help="examples per micro-batch (25)")
     parser.add_argument("--max-micro-batches", type=int, default=50, help="the largest window (50)")
     parser.add_argument("--factor", type=float, default=1.0, help="batch = factor * noise scale (1.0)")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's, for 2 micro-batches")
