@@ -229,9 +229,11 @@ class ShardedAllReduce(CollectiveAllReduce):
     def _broadcast_from_owners(self, variables, owners, applied):
         """Per owner, in rank order (alike on every worker): its variables, packed, broadcast after its update.
 
-        One owner's broadcasts at a time (each waits for the previous owner's
-        to land), so that the transient buffers of one share, not of the whole
-        model, are alive at once.
+        The owners' broadcasts run concurrently. Chaining them (one owner's
+        after the previous one's landed, to keep one share's receive buffers
+        alive at a time instead of the model's) measured 1.75 times the
+        unsharded update's time at P = 2 instead of 1.1, and no measurable
+        peak-RSS gain on a 10M model.
         """
         done, self._broadcasts, self._sent_bytes = [applied], 0, 0
         for owner in range(self._size):
@@ -239,7 +241,7 @@ class ShardedAllReduce(CollectiveAllReduce):
             if not held:
                 continue
             sending = owner == self._rank
-            with tf.control_dependencies(done[-1:] + ([applied] if sending else [])):
+            with tf.control_dependencies([applied] if sending else None):
                 values = [var.read_value() if sending else tf.identity(var) for var in held]
 
             def exchange(piece, sending=sending, leads=owner == 0):
@@ -248,8 +250,7 @@ class ShardedAllReduce(CollectiveAllReduce):
                 return collective_broadcast_from(piece, sending, leads, self._size, GROUP_KEY, next(_instance_keys),
                                                  self._timeout, device=_device(self._config))
 
-            with tf.control_dependencies(done[-1:]):
-                received, count = _packed(values, self._buffer_bytes, exchange)
+            received, count = _packed(values, self._buffer_bytes, exchange)
             self._broadcasts += count
             if sending:
                 done.append(tf.group(*received, name="sent_%d" % owner))
