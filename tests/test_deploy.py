@@ -3,12 +3,14 @@
 The guide's TFJob manifest, sbatch script, Horovod script and mpirun line are
 read here, and the environments of the multi-process runs are derived from
 them, so that the guide and the tests cannot drift apart. Each run is on
-loopback, bounded in time, and compared with the single-process run of
-``examples/parabola_sync.py`` (the reference) by its trained weights. The
+loopback, bounded in time, and compared with the single-process run of its
+script by the trained weights: ``examples/workers.py`` on a tiny Fashion-MNIST
+written here for the TFJob, ``examples/parabola_sync.py`` for the others. The
 mpirun test skips where Horovod with MPI or ``mpirun`` is missing, and fails
 instead when ``GRADACCUM_REQUIRE_HOROVOD_MPI`` is set (CI, after installing
 them).
 """
+import importlib.util
 import json
 import os
 import re
@@ -24,6 +26,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from gradaccum import cluster, launch
 
@@ -34,6 +37,8 @@ _GUIDE = os.path.join(_ROOT, "docs", "guides", "deploying.md")
 _WEIGHTS = ["hidden__weights", "hidden__biases", "output__weights", "output__biases"]
 _STEPS = 150
 _RUN_SECONDS = 150
+# examples/workers.py's flags for the TFJob run: 3 updates of 60 examples, 6 micro-batches of 10 (2 per task).
+_WORKERS_FLAGS = {"--updates": "3", "--batch-size": "60", "--subdivisions": "6", "--hidden": "8"}
 
 
 # --- Reading the guide --------------------------------------------------------------------------------------
@@ -129,12 +134,16 @@ def _operator_tf_config(name, replicas, port, task_type, index, address=None, na
 def test_the_guide_has_a_chief_two_workers_and_an_evaluator_and_a_network_policy():
     name, replicas, port = _tfjob()
     assert {kind: count for kind, (count, _) in replicas.items()} == {"Chief": 1, "Worker": 2, "Evaluator": 1}
-    assert replicas["Chief"][1] == replicas["Worker"][1]
-    assert replicas["Chief"][1][:4] == ["python", "examples/parabola_sync.py", "--engine", "collective"]
-    # The evaluator stops after the training's last step.
+    command = replicas["Chief"][1]
+    assert command == replicas["Worker"][1] and command[:2] == ["python", "examples/workers.py"]
+    # The evaluator reads the volume the chief saves to, and stops after the last update's checkpoint.
     evaluator = replicas["Evaluator"][1]
     assert evaluator[:2] == ["python", "/evaluator/evaluate.py"]
-    assert evaluator[3] == replicas["Chief"][1][replicas["Chief"][1].index("--steps") + 1]
+    assert os.path.dirname(command[command.index("--save") + 1]) == evaluator[2] == "/ckpt"
+    assert evaluator[3] == command[command.index("--updates") + 1]
+    updates, batch, subdivisions = [int(command[command.index(flag) + 1])
+                                    for flag in ("--updates", "--batch-size", "--subdivisions")]
+    assert subdivisions % 3 == 0 and batch % subdivisions == 0 and updates * batch <= 60000
     policy = _document("NetworkPolicy")
     assert policy.count("training.kubeflow.org/job-name: %s" % name) == 2 and "- port: %d" % port in policy
 
@@ -157,10 +166,10 @@ def test_tfjob_tf_config_parses_for_every_replica_with_hosts_as_written():
     name, replicas, port = _tfjob()
     chief = cluster.parse_tf_config(_operator_tf_config(name, replicas, port, "chief", 0))
     assert chief.is_chief and not chief.is_evaluator
-    assert chief.address == "parabola-chief-0.default.svc:2222"
+    assert chief.address == "%s-chief-0.default.svc:2222" % name
     assert chief.compute_tasks == [("chief", 0), ("worker", 0), ("worker", 1)]
     worker = cluster.parse_tf_config(_operator_tf_config(name, replicas, port, "worker", 1))
-    assert (worker.task_name, worker.address) == ("worker:1", "parabola-worker-1.default.svc:2222")
+    assert (worker.task_name, worker.address) == ("worker:1", "%s-worker-1.default.svc:2222" % name)
     evaluator = cluster.parse_tf_config(_operator_tf_config(name, replicas, port, "evaluator", 0))
     assert (evaluator.is_evaluator, evaluator.is_chief, evaluator.address) == (True, False, None)
     assert evaluator.cluster == chief.cluster and evaluator.task_name == "evaluator:0"
@@ -367,46 +376,112 @@ def _assert_equal_to_one_process(out_files, reference):
             np.testing.assert_allclose(run[name], reference[name], rtol=1e-5, atol=1e-6, err_msg=path + " " + name)
 
 
-def _parabola_loss(weights):
-    """The full-batch loss of the parabola net, in numpy."""
-    x = np.linspace(-2, 2, 50, dtype=np.float32)[:, np.newaxis]
-    hidden = np.tanh(x.dot(weights["hidden__weights"]) + weights["hidden__biases"])
-    outputs = hidden.dot(weights["output__weights"]) + weights["output__biases"]
-    return float(np.mean(np.sum(np.square(np.square(x) - outputs), axis=1)))
+def _fashion_mnist_data():
+    """``examples/fashion_mnist_data.py``, the examples' loader, as a module."""
+    spec = importlib.util.spec_from_file_location("fashion_mnist_data",
+                                                  os.path.join(_ROOT, "examples", "fashion_mnist_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_fashion(directory, num_train, num_test, seed=0):
+    """The four gzipped IDX files of a random Fashion-MNIST in ``directory``; returns the arrays.
+
+    As ``write_fashion`` of tests/test_examples.py, which cannot be imported here without loading the
+    main example (it redirects stderr and sets TensorFlow's log level while it imports).
+    """
+    data, rng = _fashion_mnist_data(), np.random.RandomState(seed)
+    arrays = {"train_images": rng.randint(0, 256, (num_train, 28, 28)).astype(np.uint8),
+              "train_labels": (np.arange(num_train) % 10).astype(np.uint8),
+              "test_images": rng.randint(0, 256, (num_test, 28, 28)).astype(np.uint8),
+              "test_labels": (np.arange(num_test) % 10).astype(np.uint8)}
+    os.makedirs(str(directory))
+    for part, name in data.FILES.items():
+        data.write_idx(os.path.join(str(directory), name + ".gz"), arrays[part])
+    return arrays
+
+
+def _workers_command(command, save):
+    """The guide's ``workers.py`` command with this Python, ``_WORKERS_FLAGS`` and ``--save save``."""
+    assert command[:2] == ["python", "examples/workers.py"]
+    command = [sys.executable, os.path.join(_ROOT, command[1])] + command[2:]
+    for flag, value in sorted(dict(_WORKERS_FLAGS, **{"--save": save}).items()):
+        command = _with_flag(command, flag, value) if flag in command else command + [flag, value]
+    return command
+
+
+def _checkpoint(prefix):
+    reader = tf.train.load_checkpoint(prefix)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def _test_accuracy(variables, images, labels):
+    """The MLP's test accuracy, in numpy."""
+    x = images.reshape(len(images), -1).astype(np.float32) / np.float32(255)
+    hidden = np.maximum(x.dot(variables["dense/kernel"]) + variables["dense/bias"], 0)
+    logits = hidden.dot(variables["dense_1/kernel"]) + variables["dense_1/bias"]
+    return float(np.mean(np.argmax(logits, 1) == labels))
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_tfjob_chief_two_workers_train_as_one_process_and_the_evaluator_is_not_waited_for(
-        parabola_reference, tmp_path):
+@pytest.mark.timeout(180)
+def test_tfjob_chief_two_workers_train_as_one_process_and_the_evaluator_is_not_waited_for(tmp_path):
     name, replicas, port = _tfjob()
     ports = iter(launch.pick_free_ports(3))
     local = {(kind.lower(), i): "127.0.0.1:%d" % next(ports)
              for kind, (count, _) in replicas.items() if kind != "Evaluator" for i in range(count)}
-    checkpoints, out = str(tmp_path / "ckpt"), str(tmp_path / "run.npz")
+    # The image's /usr/share/datasets/fashion-mnist, the first place every pod's loader looks.
+    datasets = tmp_path / "datasets"
+    arrays = _write_fashion(datasets / "fashion-mnist", num_train=180, num_test=50)
+    checkpoints = tmp_path / "ckpt"  # The volume.
+    checkpoints.mkdir()
+    (tmp_path / "one").mkdir()
     evaluator_script = tmp_path / "evaluate.py"
     evaluator_script.write_text(_configmap_file("evaluate.py"))
+    started = time.time()
     with _Tasks(tmp_path) as tasks:
         count, command = replicas["Evaluator"]
-        assert count == 1 and command[1:] == ["/evaluator/evaluate.py", "/ckpt", command[3]]
-        evaluator = tasks.start("evaluator", [sys.executable, str(evaluator_script), checkpoints, str(_STEPS)],
-                                _env(TF_CONFIG=_operator_tf_config(name, replicas, port, "evaluator", 0,
-                                                                   lambda job, i: local[job, i])))
+        assert count == 1 and command[1:3] == ["/evaluator/evaluate.py", "/ckpt"]
+        evaluator = tasks.start("evaluator", [sys.executable, str(evaluator_script), str(checkpoints),
+                                              _WORKERS_FLAGS["--updates"]],
+                                _env(GRADACCUM_SYSTEM_DATASETS=str(datasets), TF_CONFIG=_operator_tf_config(
+                                    name, replicas, port, "evaluator", 0, lambda job, i: local[job, i])))
         evaluator.send_signal(signal.SIGSTOP)  # Stopped while the job trains: nobody may wait for it.
         for job, index in sorted(local):
-            command = _local_command(replicas[job.capitalize()][1], _STEPS, checkpoints, out)
-            tasks.start("%s-%d" % (job, index), command, _env(TF_CONFIG=_operator_tf_config(
-                name, replicas, port, job, index, lambda job, i: local[job, i])))
-        tasks.wait(["chief-0", "worker-0", "worker-1"])
+            # The workers mount no volume: a directory that does not exist, which they must not write.
+            save = str(checkpoints / "mlp") if job == "chief" else str(tmp_path / "no-volume" / "mlp")
+            tasks.start("%s-%d" % (job, index), _workers_command(replicas[job.capitalize()][1], save),
+                        _env(GRADACCUM_SYSTEM_DATASETS=str(datasets), TF_CONFIG=_operator_tf_config(
+                            name, replicas, port, job, index, lambda job, i: local[job, i])))
+        # The reference: one process, the same flags, no TF_CONFIG.
+        tasks.start("one", _workers_command(replicas["Chief"][1], str(tmp_path / "one" / "mlp")),
+                    _env(GRADACCUM_SYSTEM_DATASETS=str(datasets)))
+        tasks.wait(["chief-0", "worker-0", "worker-1", "one"], 120)
+        trained = time.time() - started
+        assert evaluator.poll() is None  # Still stopped.
         evaluator.send_signal(signal.SIGCONT)
-        tasks.wait(["evaluator"], 90)
-    reference = parabola_reference(_STEPS)
-    _assert_equal_to_one_process([out, str(tmp_path / "run-worker1.npz"), str(tmp_path / "run-worker2.npz")],
-                                 reference)
-    last = tasks.output("evaluator").strip().splitlines()[-1]
-    step, loss = re.match(r"^evaluator: global_step (\d+) loss ([\d.]+)$", last).groups()
-    assert int(step) == _STEPS
-    assert abs(float(loss) - _parabola_loss(reference)) < 2e-6, (loss, _parabola_loss(reference))
+        tasks.wait(["evaluator"], 60)
+    print("trained in %.1f s, then evaluated in %.1f s" % (trained, time.time() - started - trained))
+    data_line = "data: Fashion-MNIST from %s, 180 train / 50 test examples" % (datasets / "fashion-mnist")
+    chief = tasks.output("chief-0").splitlines()
+    assert chief[0] == data_line and chief[1].startswith(
+        "done: global_step 3, 3 workers x 2 micro-batches of 10 per update, test accuracy "), chief
+    assert tasks.output("worker-0") == tasks.output("worker-1") == ""  # Only the chief logs and saves.
+    assert not (tmp_path / "no-volume").exists()
+    assert tasks.output("one").splitlines()[1].startswith("done: global_step 3, 1 workers x 6 micro-batches of 10")
+    ours, reference = _checkpoint(str(checkpoints / "mlp")), _checkpoint(str(tmp_path / "one" / "mlp"))
+    compared = [name for name in reference if name.startswith("dense") and "GradientAccumulator" not in name]
+    assert len(compared) == 12 and ours["global_step"] == reference["global_step"] == 3, sorted(reference)
+    for name in compared:
+        np.testing.assert_allclose(ours[name], reference[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    assert not np.allclose(ours["dense/kernel/Adam"], 0)  # Training moved the weights.
+    # Its own lines (TensorFlow >= 2.16 prints start-up lines on stderr whatever TF_CPP_MIN_LOG_LEVEL says).
+    evaluated = [line for line in tasks.output("evaluator").splitlines() if line.startswith(("data:", "evaluator:"))]
+    assert evaluated[0] == data_line and len(evaluated) == 2, evaluated
+    step, accuracy = re.match(r"^evaluator: global_step (\d+) test accuracy (\d\.\d{4})$", evaluated[1]).groups()
+    assert int(step) == 3
+    assert float(accuracy) == round(_test_accuracy(ours, arrays["test_images"], arrays["test_labels"]), 4)
 
 
 @pytest.mark.distributed
