@@ -314,7 +314,11 @@ def _monitored_warnings(tmp_dir, monkeypatch, micro_steps=12):
 
     monkeypatch.setattr(tf_logging, "_log_counter_per_token", {})
     records = _Records()
-    tf.get_logger().addHandler(records)
+    logger = tf.get_logger()
+    # Another module may have quietened TensorFlow (the examples set ERROR on import).
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(records)
     try:
         with tf.Graph().as_default():
             m = Model(_wrapper(4))
@@ -325,7 +329,8 @@ def _monitored_warnings(tmp_dir, monkeypatch, micro_steps=12):
                 for _ in range(micro_steps):
                     sess.run(train_op, {m.x: X})
     finally:
-        tf.get_logger().removeHandler(records)
+        logger.removeHandler(records)
+        logger.setLevel(level)
     return [text for text in records.messages if text.startswith(hooks.WARNING_START)]
 
 
