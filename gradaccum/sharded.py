@@ -222,8 +222,9 @@ class ShardedAllReduce(CollectiveAllReduce):
             done = self._broadcast_from_owners(variables, owners, applied)
         if global_step is None:
             return tf.group(done, name=name)
-        with tf.control_dependencies([done]), tf.compat.v1.colocate_with(global_step):
-            count = tf.compat.v1.assign_add(global_step, tf.ones([], global_step.dtype.base_dtype))
+        with tf.control_dependencies([done]):
+            with tf.compat.v1.colocate_with(global_step):
+                count = tf.compat.v1.assign_add(global_step, tf.ones([], global_step.dtype.base_dtype))
         return tf.group(count, name=name)
 
     def _broadcast_from_owners(self, variables, owners, applied):
