@@ -47,7 +47,7 @@ optimizer's internal apply ops out of ``TRAIN_OP``.
 import collections
 
 from gradaccum._compat import tf, v1_control_flow
-from gradaccum._gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
+from gradaccum._gradients import all_finite, normalized, sparse_again, touched_rows, weighted
 from gradaccum._state import state_variable
 from gradaccum.observers import MicroBatch, WindowUpdate
 
