@@ -12,6 +12,10 @@ is skipped with the reason):
 * ``tensor_k_cnn``, ``tensor_k_mlp10m``: ``num_micro_batches`` as a constant tensor (the
   elastic window: k read at each window's start) against the same int.
 
+A group with ``"profile": True`` also traces both rows after timing them (``RunMetadata``
+step stats, ``harness.profile_window``) and reports where the difference goes: per
+micro-step, the kernels whose summed time grew most with the feature on.
+
 A new feature row: one ``ROWS`` entry (trainer, model arguments, requirement) and its name
 in a group.
 """
@@ -21,7 +25,7 @@ import harness
 
 GROUPS = {
     "statistics_cnn": {"setup": "cnn", "rows": ["ours", "ours_statistics"]},
-    "statistics_mlp10m": {"setup": "mlp10m", "rows": ["ours", "ours_statistics"]},
+    "statistics_mlp10m": {"setup": "mlp10m", "rows": ["ours", "ours_statistics"], "profile": True},
     "window_bn": {"setup": "cnn", "rows": ["ours", "ours_window_bn"]},
     "towers": {"setup": "towers", "rows": ["one_device", "towers2", "towers2_sync_bn", "towers4", "towers4_sync_bn"]},
     "tensor_k_cnn": {"setup": "cnn", "rows": ["ours", "ours_tensor_k"]},
@@ -116,9 +120,28 @@ def measure(spec):
             benches.append(harness.build_bench(row, setup["model"], trainer, setup["micro"], setup["k"], args,
                                                cpus=setup["cpus"]))
         times = harness.time_side_by_side(benches, spec["rounds"], max_seconds=30) if len(benches) > 1 else {}
+        profile = _profile_difference(benches) if group.get("profile") and len(benches) == 2 else None
     finally:
         harness.close(benches)
-    return {"group": spec["group"], "setup": setup, "times": times, "skipped": skipped}
+    return {"group": spec["group"], "setup": setup, "times": times, "skipped": skipped, "profile": profile}
+
+
+def _kernel_ms_per_step(bench, windows=3):
+    """``{kernel: ms}`` per micro-step, summed over scopes and averaged over a window's steps."""
+    totals = {}
+    steps = harness.profile_window(bench, windows)
+    for step in steps:
+        for _, kind, ms in step:
+            totals[kind] = totals.get(kind, 0.0) + ms / len(steps)
+    return totals
+
+
+def _profile_difference(benches, top=6):
+    """The kernels whose time per micro-step grew most from the first row (off) to the second (on)."""
+    off, on = (_kernel_ms_per_step(bench) for bench in benches)
+    grown = sorted(((on.get(kind, 0.0) - off.get(kind, 0.0), kind) for kind in set(on) | set(off)), reverse=True)
+    return {"rows": [bench.name for bench in benches], "total_ms": [sum(off.values()), sum(on.values())],
+            "grown": [[kind, ms] for ms, kind in grown[:top]]}
 
 
 def summarize(results):
@@ -135,9 +158,21 @@ def summarize(results):
                       "%s-%s" % (harness.fmt(ci[0]), harness.fmt(ci[1])), len(result["times"].get(row, [])),
                       "skipped: %s" % reason if reason else ""])
     keys["features_skipped"] = dict((r["group"], r["skipped"]) for r in results if r["skipped"])
+    keys["features_profiles"] = dict((r["group"], r["profile"]) for r in results if r.get("profile"))
     lines = ["### Features: cost against the same training without them", "",
              "Statistics and window BN: time per micro-step (CNN: width 16, micro-batch 100, k = 5; MLP: 10M, "
              "micro-batch 8, k = 8). Towers: time per example, a batch of 200 per run on 4 virtual CPU devices "
              "(2 real cores: overhead only)."] + [""] + harness.markdown_table(
                  ["ratio", "median of per-round ratios", "95% CI", "rounds", "note"], cells)
+    for group, profile in sorted(keys["features_profiles"].items()):
+        lines += _profile_lines(group, profile)
     return keys, lines
+
+
+def _profile_lines(group, profile):
+    off, on = profile["rows"]
+    lines = ["", "Where `%s`'s time goes: kernel time per micro-step under `RunMetadata` tracing (which slows "
+             "every kernel alike), %s %.2f ms, %s %.2f ms; the kernels that grew most:" % (
+                 group, off, profile["total_ms"][0], on, profile["total_ms"][1]), ""]
+    return lines + harness.markdown_table(["kernel", "ms per micro-step, %s - %s" % (on, off)],
+                                          [[kind, "%+.3f" % ms] for kind, ms in profile["grown"]])

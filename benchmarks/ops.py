@@ -18,6 +18,13 @@ a script, not with ``-m``: then ``PYTHONPATH`` comes before the working director
     python benchmarks/ops.py --tf-mode tf2 --json ops_tf2.json
 
 ``--tf-mode tf1`` (default) is ``disable_v2_behavior()``, ``tf2`` ``disable_eager_execution()``.
+
+``--time N`` also times what the window's decision costs an accumulate-only run, in one
+graph (the same CNN, k = 50 so that no run applies): the fused train op (adds, counters,
+the ``apply_if_due`` cond not taken) against the accumulator's own ``accumulate_op`` (the
+adds and counters alone), N runs of each, interleaved in a new random order each time
+(``zero_op`` every 20 runs). It prints the median of the per-pair ratios and the
+difference of the medians in ms.
 The JSON also lists the accumulator's executed nodes of an accumulate run: ``ours_accumulate_nodes``
 (micro-step 2, adding) and ``ours_window_start_nodes`` (micro-step 1, writing).
 """
@@ -25,7 +32,10 @@ import argparse
 import collections
 import json
 import os
+import random
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -83,11 +93,48 @@ def measure(setup):
     return rows, names
 
 
+def time_decision(setup, runs):
+    """``(median train/accumulate ratio, median ms difference)``: the cond's cost on a run that only adds."""
+    tf = harness._tf()
+    import gradaccum
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1], name="images")
+        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+        loss = harness.MODELS[setup["model"]](images, labels, **setup["model_args"])
+        opt = gradaccum.GradientAccumulator(tf.compat.v1.train.AdamOptimizer(1e-3), 50)
+        fetches = {"train": opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step(),
+                                         weight=tf.shape(images)[0]),
+                   "accumulate": opt.accumulate_op}
+        zero, init = opt.zero_op, tf.compat.v1.global_variables_initializer()
+    session = tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(device_count={"CPU": 1}))
+    session.run(init)
+    feeds = harness.random_feeds(images, labels, setup["micro"], 4, 0)
+    times, order = {"train": [], "accumulate": []}, random.Random(0)
+    for index in range(runs + 10):  # The first 10 pairs warm up.
+        if index % 20 == 0:
+            session.run(zero)  # Never 50 adds: no run applies.
+        for name in order.sample(sorted(times), 2):
+            start = time.perf_counter()
+            session.run(fetches[name], feeds[index % 4])
+            if index >= 10:
+                times[name].append(time.perf_counter() - start)
+    session.close()
+    ratio = statistics.median(a / b for a, b in zip(times["train"], times["accumulate"]))
+    return ratio, 1e3 * (statistics.median(times["train"]) - statistics.median(times["accumulate"]))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tf-mode", choices=("tf1", "tf2"), default="tf1")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--time", type=int, default=0, metavar="N",
+                        help="also time train op / accumulate_op on accumulate-only runs, N pairs")
     args = parser.parse_args(argv)
+    if args.time < 0:
+        parser.error("--time must be >= 0, got %d" % args.time)
     tf = harness.setup_tensorflow(args.tf_mode)
     import gradaccum
 
@@ -99,9 +146,16 @@ def main(argv=None):
     print("%-18s %8s %20s %6s" % ("run", "nodes", SCOPE, "Adam"))
     for name, counts in rows.items():
         print("%-18s %8d %20d %6d" % (name, counts["nodes"], counts["accumulator_nodes"], counts["adam_nodes"]))
+    decision = None
+    if args.time:
+        ratio, ms = time_decision(setup, args.time)
+        decision = {"runs": args.time, "train_over_accumulate": ratio, "ms": ms}
+        print("accumulate-only run, train op / accumulate_op (%d interleaved pairs): %.4f, %+.3f ms"
+              % (args.time, ratio, ms))
     if args.json:
         result = {"gradaccum": gradaccum.__file__, "tensorflow": tf.__version__, "tf_mode": args.tf_mode,
-                  "setup": dict(setup, rows=None), "rows": rows}
+                  "setup": dict(setup, rows=None), "rows": rows, "decision_cost": decision,
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         result.update(names)
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)

@@ -244,6 +244,27 @@ def test_tiny_towers_group_times_every_available_row():
     assert all(len(series) == 1 and series[0] > 0 for series in result["times"].values())
 
 
+def test_tiny_statistics_group_profiles_where_the_difference_goes():
+    spec = {"kind": "time", "group": "statistics_mlp10m", "rounds": 1, "setup_override": TINY_MLP}
+    result = features.measure(spec)
+    profile = result["profile"]
+    assert profile["rows"] == ["ours", "ours_statistics"]
+    assert all(total > 0 for total in profile["total_ms"])
+    growth = [ms for _, ms in profile["grown"]]
+    assert growth == sorted(growth, reverse=True) and 0 < len(growth) <= 6
+    _, lines = features.summarize([result])
+    assert any(line.startswith("Where `statistics_mlp10m`'s time goes") for line in lines)
+    assert "| %s | %+.3f |" % tuple(profile["grown"][0]) in lines
+
+
+def test_the_decision_timing_pairs_train_op_and_accumulate_op():
+    spec = importlib.util.spec_from_file_location("bench_ops", os.path.join(BENCH_DIR, "ops.py"))
+    ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ops)
+    ratio, ms = ops.time_decision({"model": "cnn", "model_args": {"width": 2}, "micro": 4}, 3)
+    assert math.isfinite(ratio) and ratio > 0 and math.isfinite(ms)
+
+
 def test_memory_child_reports_sane_figures(tf_mode):
     spec = {"mode": tf_mode, "kind": "memory", "config": "ours", "micro": 3, "k": 2, "repeat": 0,
             "model_args": {"width": 2}}
