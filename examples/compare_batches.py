@@ -18,7 +18,7 @@ the updates, and the mean wall time, CPU time and peak memory. Everything goes i
 (--out-dir/compare_batches.json); the PNG and the Markdown table are drawn from it, and
 --replot redraws them from it without training.
 
-  python examples/compare_batches.py --epochs 10 --seeds 3 --out-dir docs   # hours on 2 CPU cores
+  python examples/compare_batches.py --epochs 10 --seeds 3 --out-dir docs   # about an hour on 2 CPU cores
 """
 import argparse
 import datetime
