@@ -84,12 +84,69 @@ def test_bad_combinations_are_one_clear_line():
             opt.apply_reduced([(tf.constant(1, tf.int16), flag)])
 
 
-def reference(opt_name, shares, count, empty=None, nan=None, extra=0):
+def _stage2_graph(rank=0, workers=2, dense=True, **accumulator):
+    """Builds worker ``rank``'s stage-2 train op in a graph of its own (v1 control flow); returns (graph, reducer)."""
+    graph = tf.Graph()
+    with graph.as_default(), v1_control_flow():
+        reducer = gradaccum.ShardedAllReduce(child.optimizer(tf, "adam"), _config(workers, rank), shard_cache=True)
+        if accumulator:
+            x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+            w = tf.compat.v1.get_variable("w", initializer=np.ones([3, 1]))
+            b = tf.compat.v1.get_variable("b", initializer=np.zeros([1]))
+            opt = gradaccum.GradientAccumulator(reducer, 3, **accumulator)
+            opt.minimize(tf.reduce_sum(tf.matmul(x, w) + b), tf.compat.v1.train.get_or_create_global_step())
+        else:
+            child.build(tf, lambda: reducer, dense=dense)
+    return graph, reducer
+
+
+@pytest.mark.parametrize("case, message", [
+    (dict(dense=False), r"^ShardedAllReduce\(shard_cache=True\) needs dense gradients: the gradient of 'emb' is "
+                        r"sparse \(tf.IndexedSlices"),
+    (dict(statistics=True), r"^ShardedAllReduce sums each micro-batch over the workers and caches a share of the "
+                            r"gradient \(shard_cache=True\): it cannot be combined with statistics, an adaptive "
+                            r"policy or observers, which need"),
+    (dict(loss_scaling=True), r"it cannot be combined with loss scaling, which need"),
+    (dict(skip_nonfinite=True), r"^ShardedAllReduce\(shard_cache=True\) needs every worker to own a variable: 2 "
+                                r"variables with gradients over `config`'s 3 workers leave rank 2 none$"),
+])
+def test_stage2_refuses_what_needs_the_whole_micro_batch_gradient(case, message):
+    workers = 3 if "skip_nonfinite" in case else 2
+    with pytest.raises(ValueError, match=message):
+        _stage2_graph(workers=workers, **case)
+    with pytest.raises(TypeError, match=r"^`shard_cache` must be a bool, got 'yes'$"):
+        gradaccum.ShardedAllReduce(child.optimizer(tf, "sgd"), None, shard_cache="yes")
+
+
+def test_a_stage2_worker_caches_its_own_variables_and_all_reduces_every_micro_batch():
+    keys = []
+    for rank in (0, 1):
+        graph, reducer = _stage2_graph(rank)
+        with graph.as_default():
+            names = [v.op.name for v in tf.compat.v1.global_variables()]
+        mine = sorted(n for n, r in reducer.owners.items() if r == rank)
+        assert sorted(reducer.owners) == sorted(_NAMES) and 0 < len(mine) < len(_NAMES)
+        assert sorted(n.rsplit("/", 1)[0] for n in names if n.endswith("/GradientAccumulator")) == mine
+        assert sorted(n[:-len("/Adam")] for n in names if n.endswith("/Adam")) == mine
+        ops = graph.get_operations()
+        micro = [op for op in ops if op.type == "CollectiveReduce" and "_micro_batch/" in op.name]
+        window = [op for op in ops if op.type == "CollectiveReduce" and "_reduce/" in op.name]
+        assert len(micro) == 1 and len(window) == 1  # float64 only: one buffer each
+        assert micro[0].inputs[0].shape.num_elements() == sum(
+            int(np.prod(value.shape)) for _, value in child.initial_values())
+        assert reducer.micro_batch_bytes == 8 * micro[0].inputs[0].shape.num_elements()
+        # The window's exchange carries the weight, the share's squared norm and its non-finite flag only.
+        assert window[0].inputs[0].shape.num_elements() == 2
+        keys.append(sorted(op.get_attr("instance_key") for op in ops if op.type.startswith("Collective")))
+    assert [k - keys[0][0] for k in keys[0]] == [k - keys[1][0] for k in keys[1]]  # alike on both workers
+
+
+def reference(opt_name, shares, count, empty=None, nan=None, extra=0, dense=False):
     """One process, plain optimizer, one run per applied window on the union of the workers' points."""
     plan, skipped = child.windows(shares, count + extra, empty, nan)
     clip = child.CLIP_NORM if opt_name == "adamclip" else None
     with tf.Graph().as_default():
-        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None, clip_norm=clip)
+        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None, clip_norm=clip, dense=dense)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for w in range(count + extra):
@@ -263,16 +320,20 @@ def _load(out, run, rank):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["sharded", "stage2"])
 @pytest.mark.parametrize("shares", [[9, 15], [5, 12, 7]])
-def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, tmp_path):
-    out, workers = str(tmp_path / "run"), len(shares)
-    runs = ["sharded-adam", "sharded-sgd", "sharded-adamclip", "collective-adam"]
+def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, engine, tmp_path):
+    """Stage 1 (``sharded``) on the model with a sparse embedding; stage 2 (``stage2``, ``shard_cache=True``,
+    which refuses sparse gradients) on the same model with a dense lookup."""
+    out, workers, dense = str(tmp_path / "run"), len(shares), engine == "stage2"
+    runs = [engine + "-adam", engine + "-sgd", engine + "-adamclip", "collective-adam"]
     results = _run_job(workers, ["--runs", ",".join(runs), "--shares", ",".join(map(str, shares)),
-                                 "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out])
+                                 "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out]
+                       + (["--dense"] if dense else []))
     assert [status for status, _, _ in results] == [0] * workers, [err[-2000:] for _, _, err in results]
     for run in runs:
         engine, opt_name = run.split("-")
-        want = reference(opt_name, shares, 6, empty=1, nan=3)
+        want = reference(opt_name, shares, 6, empty=1, nan=3, dense=dense)
         got = [_load(out, run, rank) for rank in range(workers)]
         for rank, values in enumerate(got):
             assert (int(values["step"]), int(values["skipped"])) == (4, 2), (run, rank)  # alike everywhere
@@ -289,11 +350,13 @@ def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, tmp_
             slots = sorted(n.rsplit("/", 1)[0] for n in held if n.endswith(("/Adam", "/Adam_1")))
             mine = sorted(n for n in _NAMES if owners[n] == rank)
             assert slots == (sorted(mine * 2) if opt_name != "sgd" else []), (run, rank)
+            caches = sorted(n.rsplit("/", 1)[0] for n in held if n.endswith("/GradientAccumulator"))
+            assert caches == (mine if engine == "stage2" else sorted(_NAMES)), (run, rank)
             assert held.count("beta1_power") == (1 if opt_name != "sgd" else 0)
             assert values["owner_ranks"].tolist() == got[0]["owner_ranks"].tolist()
     for name in _NAMES:  # and the unsharded engine's Adam, in the same processes
-        np.testing.assert_allclose(_load(out, "sharded-adam", 0)[name], unsharded[0][name], **_TOL)
-    clipped = _load(out, "sharded-adamclip", 0)  # The clip bound: the whole gradient's norm, on every worker.
+        np.testing.assert_allclose(_load(out, runs[0], 0)[name], unsharded[0][name], **_TOL)
+    clipped = _load(out, runs[2], 0)  # The clip bound: the whole gradient's norm, on every worker.
     assert not np.allclose(clipped["w1"], unsharded[0]["w1"], rtol=1e-6, atol=1e-6)
 
 
