@@ -1,4 +1,4 @@
-"""Sharded optimizer state over collective workers (ZeRO stage 1): each worker keeps the slots of its variables.
+"""Sharded optimizer state over collective workers (ZeRO stages 1 and 2): each worker keeps its variables' slots.
 
 :class:`ShardedAllReduce` is :class:`gradaccum.collective.CollectiveAllReduce`
 with one change in :meth:`~ShardedAllReduce.apply_reduced`: the trainable
@@ -21,6 +21,17 @@ reduction after it for those decisions, a change of the reducer protocol
 ``(P - 1) / P`` times the model bytes; a reduce-scatter with an all-gather
 would send ``2 (P - 1) / P`` in all.
 
+Stage 2 (``shard_cache=True``): :meth:`~ShardedAllReduce.reduce_micro_batch`
+all-reduces each micro-batch's weighted gradient when it is added (on every
+TF version: all-reduce, then each worker keeps its own variables' sums; no
+reduce-scatter) and hands the window the owned sums only, so the window
+caches those only; at the window's end :meth:`reduce` gets no gradient,
+only the weight and the whole-gradient scalars (squared norm, non-finite
+count) that every worker decides from. Bytes on the wire per update: k
+times the all-reduce's, plus the broadcasts. Refused: sparse gradients,
+fewer variables than workers (here), and the window's statistics,
+observers, window batch norm and loss scaling (by the window).
+
 Variables: the wrapped optimizer's slots, for the owned variables only, and
 its non-slot variables (Adam's ``beta1_power`` and ``beta2_power``, once per
 graph) on a worker that owns at least one variable; the first-run flag of
@@ -28,6 +39,9 @@ graph) on a worker that owns at least one variable; the first-run flag of
 collection is added to. ``global_step`` is incremented once per applied
 update on every worker, after the broadcasts (the wrapped optimizer is not
 given it), so a schedule that reads it sees the same step everywhere.
+With ``shard_cache=True`` the accumulator's caches (``<var>/<scope>``) exist
+for the owned variables only; its counters (``micro_step``, ``weight_sum``,
+``skipped_windows``) on every worker.
 
 Checkpoints: see :mod:`gradaccum.consolidate` (each worker saves its own
 shard under ``<dir>/shard-<rank>-of-<P>/``).
@@ -148,9 +162,12 @@ class ShardedAllReduce(CollectiveAllReduce):
     * Every worker saves and restores its own checkpoint shard
       (:mod:`gradaccum.consolidate`); a worker restores its own shard and
       broadcasts nothing after it.
-    * Not supported in stage 1: a wrapped loss-scale optimizer (refused
-      here; use ``skip_nonfinite``), sharding the accumulation cache (stage
-      2: no switch yet), splitting one variable over workers. Towers inside
+    * Not supported: a wrapped loss-scale optimizer (refused here; use
+      ``skip_nonfinite``), splitting one variable over workers.
+    * ``shard_cache=True`` (stage 2) shards the accumulation cache too:
+      ``4 + 12 / P`` bytes per parameter; k all-reduces per update instead
+      of one (:meth:`reduce_micro_batch`). It refuses sparse gradients,
+      statistics, observers, window batch norm and loss scaling. Towers inside
       a worker are fine (the worker's optimizer state is not split further
       over them). A sparse gradient (``tf.gather``) is densified for the
       all-reduce, as by the unsharded engine, and applied sparse by its owner.
@@ -163,10 +180,11 @@ class ShardedAllReduce(CollectiveAllReduce):
       timeout_seconds: as in ``CollectiveAllReduce``.
       buffer_bytes: the largest all-reduce or broadcast message.
       name: name scope of the reduce and broadcast ops.
+      shard_cache: bool; True shards the accumulation cache too (stage 2).
 
     Raises:
-      TypeError: when ``optimizer`` is not a v1 optimizer, or ``config`` not
-        a ``ClusterConfig``.
+      TypeError: when ``optimizer`` is not a v1 optimizer, ``config`` not
+        a ``ClusterConfig``, or ``shard_cache`` not a bool.
       ValueError: for a loss-scale, reducer or accumulator ``optimizer``, a
         ps task's ``config``, a bad ``timeout_seconds``, ``buffer_bytes`` or
         ``name``.

@@ -239,14 +239,16 @@ def test_a_worker_builds_slots_for_its_variables_only_and_broadcasts_after_its_u
 _PRUNED = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(place_pruned_graph=True))
 
 
-def _save_shard(rank, workers, directory, step=5):
+def _save_shard(rank, workers, directory, step=5, stage2=False, micro_step=0):
     """Worker ``rank``'s checkpoint with every variable set to a value of its own name (model alike)."""
-    graph, _, _ = _worker_graph(rank, workers)
+    graph = _stage2_graph(rank, workers)[0] if stage2 else _worker_graph(rank, workers)[0]
     with graph.as_default(), tf.compat.v1.Session(config=_PRUNED) as sess:
         for var in tf.compat.v1.global_variables():
             value = np.zeros(var.shape, var.dtype.base_dtype.as_numpy_dtype)
             if var.dtype.base_dtype == tf.float64:
                 value += len(var.op.name) + np.arange(value.size).reshape(value.shape)
+            if var.op.name.endswith("/micro_step"):
+                value += micro_step
             var.load(value, sess)
         tf.compat.v1.train.get_global_step().load(step, sess)
         saver = tf.compat.v1.train.Saver()
@@ -288,6 +290,25 @@ def test_consolidated_shards_restore_into_one_unsharded_process_and_into_three_w
     os.makedirs(os.path.join(directory, "shard-0-of-3"))
     with pytest.raises(ValueError, match=r"holds shards of 2 and 3 workers; keep one job's shards per directory"):
         consolidate.sharded_checkpoints(directory)
+
+
+@pytest.mark.parametrize("micro_step", [0, 1])
+def test_stage2_shards_consolidate_at_a_window_end_only(micro_step, tmp_path):
+    directory, out = str(tmp_path / "ckpt"), str(tmp_path / "out" / "model.ckpt")
+    for rank in (0, 1):
+        _save_shard(rank, 2, directory, stage2=True, micro_step=micro_step)
+    if micro_step:
+        with pytest.raises(ValueError, match=r"^the shards were saved in the middle of a window of "
+                                             r"'GradientAccumulator' by a job with shard_cache=True"):
+            consolidate.consolidate(directory, out)
+        return
+    plain = _restore_values(consolidate.consolidate(directory, out), lambda: child.build(
+        tf, lambda: child.optimizer(tf, "adam"), dense=True))  # One process, unsharded: a cache per variable.
+    caches = [name for name in plain if name.endswith("/GradientAccumulator")]
+    assert sorted(name.rsplit("/", 1)[0] for name in caches) == sorted(_NAMES)
+    for name in caches + [n + "/Adam" for n in _NAMES]:  # each from its owner's shard
+        np.testing.assert_array_equal(plain[name], len(name) + np.arange(plain[name].size).reshape(
+            plain[name].shape), name)
 
 
 # ------------------------------------------------------------ multi-process
@@ -361,18 +382,19 @@ def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, engi
 
 
 @pytest.mark.distributed
-def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continues_in_one_process(tmp_path):
-    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
-    args = ["--runs", "sharded-adam", "--shares", "9,15", "--windows", "7", "--checkpoint-dir", ckpt,
-            "--checkpoint-every", "3", "--out", out]
+@pytest.mark.parametrize("engine", ["sharded", "stage2"])
+def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continues_in_one_process(engine, tmp_path):
+    out, ckpt, dense = str(tmp_path / "run"), str(tmp_path / "ckpt"), engine == "stage2"
+    args = ["--runs", engine + "-adam", "--shares", "9,15", "--windows", "7", "--checkpoint-dir", ckpt,
+            "--checkpoint-every", "3", "--out", out] + (["--dense"] if dense else [])
     killed = _run_job(2, args + ["--kill-at", "5"])
     assert killed[1][0] == -9 and killed[0][0] != 0, [(s, e[-1500:]) for s, _, e in killed]
     assert "saved global_step 3" in killed[0][1] and "saved global_step 6" not in killed[0][1]
     resumed = _run_job(2, args)
     assert [status for status, _, _ in resumed] == [0, 0], [err[-2000:] for _, _, err in resumed]
     assert all("restored global_step 3\n" in text for _, text, _ in resumed)
-    want = reference("adam", [9, 15], 7)
-    final = [_load(out, "sharded-adam", rank) for rank in (0, 1)]
+    want = reference("adam", [9, 15], 7, dense=dense)
+    final = [_load(out, engine + "-adam", rank) for rank in (0, 1)]
     for name in _NAMES:
         for values in final:
             np.testing.assert_allclose(values[name], want[name], err_msg=name, **_TOL)
@@ -382,14 +404,14 @@ def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continue
                                                                       for r in (0, 1)]
     plan, _ = child.windows([9, 15], 8)
     with tf.Graph().as_default():  # One unsharded process restores it and trains window 8: Adam's state is whole.
-        graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None)
+        graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None, dense=dense)
         with tf.compat.v1.Session() as sess:
             tf.compat.v1.train.Saver().restore(sess, ordinary)
             assert int(sess.run(graph["step"])) == 7
             restored = sess.run(graph["variables"])
             sess.run(graph["train"], child.feed(graph, np.concatenate([p for ps in plan[7] for p in ps])))
             continued = sess.run(graph["variables"])
-    want8 = reference("adam", [9, 15], 7, extra=1)
+    want8 = reference("adam", [9, 15], 7, extra=1, dense=dense)
     for name in _NAMES:
         np.testing.assert_array_equal(restored[name], final[0][name], err_msg=name)
         np.testing.assert_allclose(continued[name], want8[name], err_msg=name, **_TOL)
