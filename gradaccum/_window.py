@@ -11,7 +11,13 @@ the window's caches. The run that fills the window then, in that same
 Features plug in through two protocols and nothing else: a reducer
 (``gradaccum.reducers.Reducer``: the collective engine, the Horovod adapter)
 and observers (``gradaccum.observers.WindowObserver``: statistics, the
-adaptive policy, window batch norm, user-written ones). The window size comes
+adaptive policy, window batch norm, user-written ones). A reducer may also
+sum each micro-batch over the workers as it is added
+(``Reducer.reduce_micro_batch``, ZeRO stage 2): the window then caches the
+pairs it returns only, reduces only scalars at the end, and decides skip and
+clip from the whole gradient's squared norm and non-finite count summed
+over the workers (what needs each micro-batch's whole gradient is refused
+there, in one ``ValueError``). The window size comes
 from one :class:`WindowSize`, read when a window's first micro-batch arrives.
 This module imports none of the feature modules.
 
@@ -20,7 +26,8 @@ Variables it creates (global, non-trainable resource variables, so that a
 each colocated with the variable it serves; the counters with the first
 trained variable by name), for a window scoped ``<scope>``:
 
-* ``<var>/<scope>``: the cache of each variable with a gradient, of the
+* ``<var>/<scope>``: the cache of each variable with a gradient (with a
+  reducer that sums each micro-batch, of the variables it returns only), of the
   variable's shape, in its dtype widened to at least float32 (and to
   ``accumulation_dtype`` when that is wider);
 * ``<var>/<scope>_touched``: for a sparse (``IndexedSlices``) gradient only,
