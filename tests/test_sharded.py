@@ -1,4 +1,8 @@
-"""Tests of gradaccum.sharded (ZeRO stage 1 over collective workers) and gradaccum.consolidate.
+"""Tests of gradaccum.sharded (ZeRO stages 1 and 2 over collective workers) and gradaccum.consolidate.
+
+Stage 2 (``shard_cache=True``) runs the same jobs on the model with a dense
+embedding lookup (it refuses sparse gradients), and its refusals are checked
+by message.
 
 The single-process tests check the partition rule, one process (P = 1), the
 errors, the graph a worker of two builds (slots, broadcasts, their order and
