@@ -1,4 +1,9 @@
-"""Sharded optimizer state (gradaccum.ShardedAllReduce, ZeRO stage 1) beside the unsharded engine, per worker.
+"""Sharded optimizer state (gradaccum.ShardedAllReduce, ZeRO stages 1 and 1 + 2) beside the unsharded engine.
+
+Engines: ``unsharded`` (CollectiveAllReduce), ``sharded`` (stage 1,
+``ShardedAllReduce``) and ``stage12`` (``ShardedAllReduce(...,
+shard_cache=True)``: the accumulation cache sharded too, one all-reduce of
+the whole gradient per micro-batch).
 
 For a ~10M-parameter float32 MLP with Adam inside a GradientAccumulator, at
 P = 2 and P = 4 loopback workers, each engine runs in its own P fresh
@@ -14,7 +19,8 @@ at each P. Per worker it reports:
   broadcast tree sends each owner's bytes to P - 1 workers, ``(P - 1) / P``
   times the model per worker on average (where TF < 2.21 cannot broadcast
   from a worker other than rank 0, those owners' variables travel by an
-  all-reduce: ``2 (P - 1) / P`` times their bytes);
+  all-reduce: ``2 (P - 1) / P`` times their bytes); ``stage12`` all-reduces
+  the gradient on each of the k micro-batches instead of once;
 * the time per update (k micro-batches), median over the timed updates, and
   its ratio to the unsharded engine at the same P (``--rounds`` alternating
   runs of each engine; the median of the per-round ratios).
@@ -30,8 +36,9 @@ Usage (the parent never imports TensorFlow)::
     python benchmarks/sharded.py --workers 2,4 --updates 4 --rounds 2 --json sharded.json
 
 Keys of ``--json``: ``sharded_p4_stage1_bytes_per_param``,
-``unsharded_p4_bytes_per_param``, ``sharded_p4_stage1_peak_rss_over_unsharded``,
-``sharded_p4_stage1_time_over_unsharded`` (and the ``p2`` ones), plus
+``sharded_p4_stage12_bytes_per_param``, ``unsharded_p4_bytes_per_param``, ``sharded_p4_stage1_peak_rss_over_unsharded``,
+``sharded_p4_stage1_time_over_unsharded``, the ``stage12`` ratios (and the
+``p2`` ones), plus
 ``runs``: every worker's figures.
 """
 import argparse
@@ -87,10 +94,12 @@ def _mlp(tf, widths):
     return x, y, loss
 
 
-def _wire_bytes(reducer, size, model_bytes, from_any):
+def _wire_bytes(reducer, size, model_bytes, from_any, k):
     """Bytes this worker sends per update, estimated from the graph (see the module docstring)."""
     ring = 2.0 * (size - 1) / size
     total = ring * reducer.bytes_per_update
+    # Stage 2: one all-reduce of the whole gradient per micro-batch.
+    total += ring * k * getattr(reducer, "micro_batch_bytes", 0)
     if hasattr(reducer, "broadcasts_per_update"):
         # A broadcast tree: (P - 1) / P of the model per worker on average; the all-reduce that
         # replaces it on TF < 2.21 (owners other than rank 0): at most 2 (P - 1) / P of the model.
@@ -115,8 +124,11 @@ def child(args):
     cluster.wait_for_tasks(config, timeout_seconds=180)
     widths = [int(w) for w in args.widths.split(",")]
     x, y, loss = _mlp(tf, widths)
-    engine = gradaccum.ShardedAllReduce if args.child == "sharded" else gradaccum.CollectiveAllReduce
-    reducer = engine(tf.compat.v1.train.AdamOptimizer(1e-4), config)
+    adam = tf.compat.v1.train.AdamOptimizer(1e-4)
+    if args.child == "unsharded":
+        reducer = gradaccum.CollectiveAllReduce(adam, config)
+    else:
+        reducer = gradaccum.ShardedAllReduce(adam, config, shard_cache=args.child == "stage12")
     opt = gradaccum.GradientAccumulator(reducer, args.k)
     step = tf.compat.v1.train.get_or_create_global_step()
     train = opt.minimize(loss, step, weight=tf.shape(x)[0])
@@ -141,7 +153,7 @@ def child(args):
                   held=held, bytes_per_param=sum(held.values()) / float(params),
                   peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   wire_bytes_per_update=_wire_bytes(reducer, len(config.compute_tasks), held["model"],
-                                                    _compat.BROADCAST_FROM_ANY_TASK),
+                                                    _compat.BROADCAST_FROM_ANY_TASK, args.k),
                   update_seconds=sorted(times)[len(times) // 2], tf_version=tf.__version__)
     print("RESULT " + json.dumps(result), flush=True)
     sys.stderr.flush()
@@ -189,29 +201,34 @@ def summarize(runs):
     """
     out = {}
     for (engine, workers), rounds in sorted(runs.items()):
-        if engine != "sharded" or ("unsharded", workers) not in runs:
+        if engine not in _STAGES or ("unsharded", workers) not in runs:
             continue
-        base, tag = runs[("unsharded", workers)], "p%d" % workers
+        base, tag = runs[("unsharded", workers)], "sharded_p%d_%s" % (workers, _STAGES[engine])
         worst = lambda results, key: max(r[key] for r in results)  # noqa: E731
-        out["sharded_%s_stage1_bytes_per_param" % tag] = worst(rounds[0], "bytes_per_param")
-        out["unsharded_%s_bytes_per_param" % tag] = worst(base[0], "bytes_per_param")
-        out["sharded_%s_stage1_peak_rss_over_unsharded" % tag] = _median(
+        out[tag + "_bytes_per_param"] = worst(rounds[0], "bytes_per_param")
+        out["unsharded_p%d_bytes_per_param" % workers] = worst(base[0], "bytes_per_param")
+        out[tag + "_peak_rss_over_unsharded"] = _median(
             [worst(s, "peak_rss") / float(worst(u, "peak_rss")) for s, u in zip(rounds, base)])
-        out["sharded_%s_stage1_time_over_unsharded" % tag] = _median(
+        out[tag + "_time_over_unsharded"] = _median(
             [s[0]["update_seconds"] / u[0]["update_seconds"] for s, u in zip(rounds, base)])
-        out["sharded_%s_stage1_wire_over_unsharded" % tag] = (worst(rounds[0], "wire_bytes_per_update")
-                                                              / worst(base[0], "wire_bytes_per_update"))
-        out["sharded_%s_stage1_rss_drop_mb" % tag] = _median(
+        out[tag + "_wire_over_unsharded"] = (worst(rounds[0], "wire_bytes_per_update")
+                                             / worst(base[0], "wire_bytes_per_update"))
+        out[tag + "_wire_mb_per_update"] = worst(rounds[0], "wire_bytes_per_update") / MB
+        out[tag + "_rss_drop_mb"] = _median(
             [(worst(u, "peak_rss") - worst(s, "peak_rss")) / MB for s, u in zip(rounds, base)])
-        out["sharded_%s_stage1_predicted_drop_mb" % tag] = (
+        out[tag + "_predicted_drop_mb"] = (
             sum(base[0][0]["held"].values()) - max(sum(r["held"].values()) for r in rounds[0])) / MB
     return out
+
+
+_STAGES = {"sharded": "stage1", "stage12": "stage12"}
 
 
 def _table(runs):
     lines = ["| engine | P | rank | model MB | cache MB | slots MB | B/param | peak RSS MB | wire MB/update | s/update |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (engine, workers), rounds in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0] != "unsharded")):
+    for (engine, workers), rounds in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0] != "unsharded",
+                                                                              item[0][0])):
         for r in rounds[0]:
             lines.append("| %s | %d | %d | %.1f | %.1f | %.1f | %.2f | %.0f | %.1f | %.3f |" % (
                 engine, workers, r["rank"], r["held"]["model"] / MB, r["held"]["cache"] / MB,
@@ -231,7 +248,8 @@ def parse_args(argv):
     parser.add_argument("--updates", type=int, default=4, help="timed updates per run (after one warm-up)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
     parser.add_argument("--json", default=None, help="write the figures here")
-    parser.add_argument("--child", choices=("sharded", "unsharded"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--engines", default="unsharded,sharded,stage12", help="engines to run, in round 0's order")
+    parser.add_argument("--child", choices=("sharded", "stage12", "unsharded"), default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -241,8 +259,9 @@ def main(argv=None):
         return child(args)
     runs = {}
     for workers in [int(w) for w in args.workers.split(",")]:
-        for round_ in range(args.rounds):  # Alternating: unsharded first in even rounds, sharded in odd ones.
-            for engine in ("unsharded", "sharded")[::1 if round_ % 2 == 0 else -1]:
+        engines = args.engines.split(",")
+        for round_ in range(args.rounds):  # Alternating: round 0's order in even rounds, reversed in odd ones.
+            for engine in engines[::1 if round_ % 2 == 0 else -1]:
                 started = time.time()
                 runs.setdefault((engine, workers), []).append(launch(engine, workers, args))
                 print("%s P=%d round %d: %.0f s" % (engine, workers, round_, time.time() - started),

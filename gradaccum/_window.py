@@ -11,7 +11,13 @@ the window's caches. The run that fills the window then, in that same
 Features plug in through two protocols and nothing else: a reducer
 (``gradaccum.reducers.Reducer``: the collective engine, the Horovod adapter)
 and observers (``gradaccum.observers.WindowObserver``: statistics, the
-adaptive policy, window batch norm, user-written ones). The window size comes
+adaptive policy, window batch norm, user-written ones). A reducer may also
+sum each micro-batch over the workers as it is added
+(``Reducer.reduce_micro_batch``, ZeRO stage 2): the window then caches the
+pairs it returns only, reduces only scalars at the end, and decides skip and
+clip from the whole gradient's squared norm and non-finite count summed
+over the workers (what needs each micro-batch's whole gradient is refused
+there, in one ``ValueError``). The window size comes
 from one :class:`WindowSize`, read when a window's first micro-batch arrives.
 This module imports none of the feature modules.
 
@@ -20,7 +26,8 @@ Variables it creates (global, non-trainable resource variables, so that a
 each colocated with the variable it serves; the counters with the first
 trained variable by name), for a window scoped ``<scope>``:
 
-* ``<var>/<scope>``: the cache of each variable with a gradient, of the
+* ``<var>/<scope>``: the cache of each variable with a gradient (with a
+  reducer that sums each micro-batch, of the variables it returns only), of the
   variable's shape, in its dtype widened to at least float32 (and to
   ``accumulation_dtype`` when that is wider);
 * ``<var>/<scope>_touched``: for a sparse (``IndexedSlices``) gradient only,
@@ -75,10 +82,17 @@ own observers (window batch-norm statistics)."""
 # One variable's accumulation state; ``touched`` is None for dense gradients.
 _Slot = collections.namedtuple("_Slot", ["var", "accum", "touched"])
 # The state of one window.
+# ``sharded``: the reducer sums each micro-batch over the workers and this
+# worker caches its share of the variables only (ZeRO stage 2).
 _State = collections.namedtuple("_State", [
-    "slots", "micro_step", "weight_sum", "size", "sparse_sq", "skipped", "observers", "made"])
+    "slots", "micro_step", "weight_sum", "size", "sparse_sq", "skipped", "observers", "made", "sharded"],
+    defaults=[False])
 # A window's sums at its end: ``rows`` are the sparse caches' touched rows.
-_Sums = collections.namedtuple("_Sums", ["pairs", "total", "sparse_sq", "rows"])
+# Sharded only: the whole gradient's squared norm (with ``clip_norm``) and
+# the workers' count of non-finite shares (with ``skip_nonfinite``), summed
+# over the workers.
+_Sums = collections.namedtuple("_Sums", ["pairs", "total", "sparse_sq", "rows", "sq_norm", "nonfinite"],
+                               defaults=[None, None])
 # What every end-of-window step needs: the config, the state, the step
 # variable, and the caller's name scope (where the wrapped optimizer builds).
 _End = collections.namedtuple("_End", ["config", "state", "global_step", "outer_scope"])
@@ -272,10 +286,11 @@ def _build_window(config, pairs, step):
     outer_scope = graph.get_name_scope()
     var_scope = tf.compat.v1.get_variable_scope()
     with tf.compat.v1.name_scope(config.name) as scope:
-        state = _create_state(config, pairs, step)
+        cached, step, sharded = _reduce_micro_batch(config, pairs, step)
+        state = _create_state(config, cached, step, pairs, sharded)
         end = _End(config, state, step.global_step, outer_scope)
         with tf.control_dependencies(step.update_ops):
-            accumulate = _accumulate(config, state, pairs, step)
+            accumulate = _accumulate(config, state, cached, step)
             with tf.control_dependencies([accumulate]):
                 limit = config.size.k if state.size is None else state.size.read_value()
                 due = tf.greater_equal(state.micro_step.read_value(), limit, name="window_full")
@@ -296,13 +311,14 @@ def _build_window(config, pairs, step):
     return Window(train_op, [s.var for s in state.slots], state, (accumulate, zero_op, build_apply), size)
 
 
-def _create_state(config, pairs, step):
+def _create_state(config, pairs, step, every_pair, sharded):
+    """The window's variables: caches for ``pairs``; the weight's dtype from ``every_pair`` (alike on all workers)."""
     # init_scope: outside surrounding control dependencies and control flow,
     # so initializers never wait for update ops or feeds.
     with tf.compat.v1.init_scope():
         slots = [_create_slot(config, var, grad) for grad, var in pairs]
         first = _first(pairs)
-        sum_dtype = _sum_dtype(pairs, config.accumulation_dtype)
+        sum_dtype = _sum_dtype(every_pair, config.accumulation_dtype)
         micro_step = state_variable("micro_step", [], tf.int64, first)
         weight_sum = state_variable("weight_sum", [], sum_dtype, first)
         size = None if config.size.k is not None else state_variable("window_size", [], tf.int64, first)
@@ -311,7 +327,8 @@ def _create_state(config, pairs, step):
             sparse_sq = state_variable("sparse_sq_norm", [], sum_dtype, first)
         skipped = state_variable("skipped_windows", [], tf.int64, first)
         made = _make_observers(config, pairs, sum_dtype)
-    return _State(slots, micro_step, weight_sum, size, sparse_sq, skipped, made + list(step.observers), len(made))
+    return _State(slots, micro_step, weight_sum, size, sparse_sq, skipped, made + list(step.observers), len(made),
+                  sharded)
 
 
 def _create_slot(config, var, grad):
@@ -345,6 +362,32 @@ def _size(config, state, global_step):
 
 
 # ------------------------------------------------------------ add a micro-batch
+
+
+def _reduce_micro_batch(config, pairs, step):
+    """``(pairs to cache, step, sharded)``: the reducer's micro-batch sums (already weighted) when it gives them.
+
+    A sharded cache holds a share of the gradient: what reads each
+    micro-batch's whole gradient (statistics, an adaptive policy, observers,
+    window batch norm) or tests its own share for overflow (loss scaling)
+    cannot work with it, so those combinations are refused here.
+    """
+    if config.reducer is None:
+        return pairs, step, False
+    cached = config.reducer.reduce_micro_batch(pairs, None if step.weighted_grads else step.weight)
+    if cached is None:
+        return pairs, step, False
+    refused = [what for what, used in (("statistics, an adaptive policy or observers", config.observers),
+                                       ("window batch norm", step.observers),
+                                       ("loss scaling", config.loss_scaled)) if used]
+    if refused:
+        raise ValueError("%s sums each micro-batch over the workers and caches a share of the gradient "
+                         "(shard_cache=True): it cannot be combined with %s, which need the whole gradient of "
+                         "each micro-batch; use shard_cache=False" % (type(config.reducer).__name__, refused[0]))
+    if not cached:
+        raise ValueError("%s.reduce_micro_batch must return None or a non-empty list of pairs, got []"
+                         % type(config.reducer).__name__)
+    return list(cached), step._replace(weighted_grads=True), True
 
 
 def _accumulate(config, state, pairs, step):
@@ -437,7 +480,7 @@ def _end_window(end, may_be_empty=False):
 def _finish(end, sums):
     """Reduce, divide, decide skip, then apply or skip; returns an op."""
     config, state = end.config, end.state
-    sums, extras = _reduce(config.reducer, sums, state.observers)
+    sums, extras = _reduce(config.reducer, sums, state.observers, config, state.sharded)
     usable = _usable(config, sums)
 
     def apply():
@@ -457,7 +500,7 @@ def _finish(end, sums):
     return tf.cond(usable, apply, lambda: _skip(state), name="apply_or_skip")
 
 
-def _reduce(reducer, sums, observers):
+def _reduce(reducer, sums, observers, config=None, sharded=False):
     """Reduce: the window's sums, weight and every extra scalar, over the workers, in one exchange.
 
     Returns the reduced sums and, per observer, its reduced extra sums (none
@@ -468,13 +511,32 @@ def _reduce(reducer, sums, observers):
     own = [] if sums.sparse_sq is None else [sums.sparse_sq]
     asked = [list(observer.extra_sums()) for observer in observers]
     flat = own + [value for values in asked for value in values]
-    pairs, total, flat = reducer.reduce(sums.pairs, sums.total, flat)
+    whole = _share_scalars(config, sums) if sharded else []
+    pairs, total, flat = reducer.reduce([] if sharded else sums.pairs, sums.total, flat + whole)
+    pairs = sums.pairs if sharded else pairs  # Sharded: summed over the workers micro-batch by micro-batch.
     sparse_sq = flat[0] if own else None
     position, extras = len(own), []
     for values in asked:
         extras.append(list(flat[position:position + len(values)]))
         position += len(values)
-    return _Sums(pairs, total, sparse_sq, sums.rows), extras
+    sq_norm = flat[position] if sharded and config.clip_norm is not None else None
+    nonfinite = flat[-1] if sharded and config.skip_nonfinite else None
+    return _Sums(pairs, total, sparse_sq, sums.rows, sq_norm, nonfinite), extras
+
+
+def _share_scalars(config, sums):
+    """Of this worker's share of a sharded window: its squared norm, and 1 if it is not finite (else 0).
+
+    Summed over the workers, they give the whole gradient's norm and
+    finiteness, so that every worker clips and skips alike.
+    """
+    dtype = sums.total.dtype.base_dtype
+    scalars = []
+    if config.clip_norm is not None:
+        scalars.append(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, dtype))) for g, _ in sums.pairs]))
+    if config.skip_nonfinite:
+        scalars.append(tf.cast(tf.logical_not(all_finite(sums.pairs)), dtype))
+    return scalars
 
 
 # Decide skip: the two predicates, both on the reduced window, so that every
@@ -489,7 +551,9 @@ def _usable(config, sums):
     checks = []
     if sums.total is not None:
         checks.append(tf.greater(sums.total, 0, name="has_weight"))
-    if config.skip_nonfinite and not config.loss_scaled:
+    if sums.nonfinite is not None:  # Sharded: every worker's share was finite.
+        checks.append(tf.equal(sums.nonfinite, 0, name="all_finite"))
+    elif config.skip_nonfinite and not config.loss_scaled:
         checks.append(all_finite(sums.pairs))
     if not checks:
         return None
@@ -538,7 +602,11 @@ def _clip(config, averaged, sums):
         return averaged
     grads, variables = zip(*averaged)
     norm = None
-    if sums.sparse_sq is not None:
+    if sums.sq_norm is not None:  # Sharded: the whole window's norm, summed over the workers' shares.
+        dtype = sums.sq_norm.dtype.base_dtype
+        norm = tf.cast(tf.sqrt(sums.sq_norm) / tf.cast(sums.total, dtype), grads[0].dtype.base_dtype,
+                       name="global_norm")
+    elif sums.sparse_sq is not None:
         dtype = sums.sparse_sq.dtype.base_dtype
         total = tf.cast(sums.total, dtype)
         squares = [sums.sparse_sq / (total * total)] + [

@@ -14,7 +14,13 @@ it needs no broadcast after the restore.
 :func:`consolidate` (or ``python -m gradaccum.consolidate DIR OUTPUT``)
 merges the shards of one step into an ordinary checkpoint: every variable
 once, from the lowest rank that holds it (a worker's partial window, if the
-step was saved mid-window, is rank 0's). A one-process unsharded job
+step was saved mid-window, is rank 0's). Stage 2 (``shard_cache=True``):
+each accumulation cache is held by its owner only, and holds the sum over
+every worker of the window so far, while each worker's ``weight_sum`` and
+``micro_step`` are its own: a step saved mid-window has no one-process
+equivalent, so :func:`consolidate` refuses it (a sharded job of the same P
+restores it exactly). Save at the end of a window, as
+``GradientAccumulator`` loops do after the window's last micro-batch. A one-process unsharded job
 restores it with a plain ``Saver``, and so does a sharded job of any P
 (each worker restores the variables of its graph): consolidate to change P.
 
@@ -156,7 +162,26 @@ def _merged(prefixes):
     if len(steps) > 1:
         raise ValueError("the shards disagree on global_step (%s): they are not one step's shards"
                          % ", ".join(map(str, sorted(steps))))
+    _check_window_ended(prefixes)
     return merged
+
+
+def _check_window_ended(prefixes):
+    """Refuses stage-2 shards saved mid-window: a cache held by some shards only, while a window is open."""
+    tf = _tf()
+    readers = [tf.compat.v1.train.NewCheckpointReader(prefix) for prefix in prefixes]
+    held = [set(reader.get_variable_to_dtype_map()) for reader in readers]
+    for name in sorted(set().union(*held)):
+        if not name.endswith("/micro_step") or not any(
+                name in names and int(reader.get_tensor(name)) > 0 for reader, names in zip(readers, held)):
+            continue
+        scope = name[:-len("/micro_step")]
+        suffix = "/" + scope.rsplit("/", 1)[-1]
+        caches = set(n for names in held for n in names if n.endswith(suffix) and not n.startswith(scope + "/"))
+        if any(caches - names for names in held):
+            raise ValueError("the shards were saved in the middle of a window of %r by a job with shard_cache=True "
+                             "(each cache on its owner only): consolidate a step saved at the end of a window"
+                             % scope)
 
 
 def consolidate(checkpoint_dir, output_prefix, step=None):

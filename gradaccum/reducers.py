@@ -17,8 +17,17 @@ sums in :meth:`~Reducer.reduce` with TensorFlow's collective all-reduce (exact
 with uneven workers); :class:`gradaccum.AllReduceOnApply` all-reduces the
 averaged update in :meth:`~Reducer.apply_reduced` (Horovod's averaging). The
 defaults here communicate nothing, so a subclass overrides what it needs.
-Each step is built once per train op and run once per applied window, never
-per micro-batch. This module creates no variables and no collections.
+Each step is built once per train op and run once per applied window.
+
+One optional hook runs per micro-batch: :meth:`Reducer.reduce_micro_batch`
+(default: does nothing, returns ``None``). A reducer that returns pairs from
+it has summed each micro-batch over the workers itself and keeps a cache
+for those pairs only (ZeRO stage 2, ``ShardedAllReduce(...,
+shard_cache=True)``); :meth:`Reducer.reduce` then gets no pairs, only the
+weight and the extra scalars, among them the window's whole-gradient
+scalars (its squared norm, its count of non-finite shares) that every
+worker decides skip and clip from. This module creates no variables and no
+collections.
 """
 from gradaccum._wrapper import WrappingOptimizer
 
@@ -66,6 +75,32 @@ class Reducer(WrappingOptimizer):
           >>> sums, total, extras = reducer.reduce(sums, weight_sum, [])
         """
         return list(sums_and_vars), total, list(extras)
+
+    def reduce_micro_batch(self, grads_and_vars, weight):
+        """Optionally sums each micro-batch over the workers as it is added (here: does nothing).
+
+        Called once per train op, when the window is built (k > 1 or a
+        dynamic k), before its caches are made; the ops it builds run on
+        every micro-batch.
+
+        Args:
+          grads_and_vars: list of ``(gradient, variable)``, every gradient
+            not None: this worker's micro-batch.
+          weight: None or a scalar tensor, the micro-batch's weight, not yet
+            applied to the gradients.
+
+        Returns:
+          ``None``: the window caches every gradient and reduces at its end.
+          Or a non-empty list of ``(sum, variable)``: ``weight * gradient``
+          summed over every worker, for the variables this worker keeps a
+          cache of; the window caches these only and passes :meth:`reduce`
+          no pairs.
+
+        Example:
+          >>> reducer.reduce_micro_batch(pairs, tf.shape(x)[0]) is None
+          True
+        """
+        return None
 
     def apply_reduced(self, grads_and_vars, global_step=None, name=None):
         """Applies the window's averaged update (here: through the wrapped optimizer).

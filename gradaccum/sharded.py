@@ -1,4 +1,4 @@
-"""Sharded optimizer state over collective workers (ZeRO stage 1): each worker keeps the slots of its variables.
+"""Sharded optimizer state over collective workers (ZeRO stages 1 and 2): each worker keeps its variables' slots.
 
 :class:`ShardedAllReduce` is :class:`gradaccum.collective.CollectiveAllReduce`
 with one change in :meth:`~ShardedAllReduce.apply_reduced`: the trainable
@@ -21,6 +21,17 @@ reduction after it for those decisions, a change of the reducer protocol
 ``(P - 1) / P`` times the model bytes; a reduce-scatter with an all-gather
 would send ``2 (P - 1) / P`` in all.
 
+Stage 2 (``shard_cache=True``): :meth:`~ShardedAllReduce.reduce_micro_batch`
+all-reduces each micro-batch's weighted gradient when it is added (on every
+TF version: all-reduce, then each worker keeps its own variables' sums; no
+reduce-scatter) and hands the window the owned sums only, so the window
+caches those only; at the window's end :meth:`reduce` gets no gradient,
+only the weight and the whole-gradient scalars (squared norm, non-finite
+count) that every worker decides from. Bytes on the wire per update: k
+times the all-reduce's, plus the broadcasts. Refused: sparse gradients,
+fewer variables than workers (here), and the window's statistics,
+observers, window batch norm and loss scaling (by the window).
+
 Variables: the wrapped optimizer's slots, for the owned variables only, and
 its non-slot variables (Adam's ``beta1_power`` and ``beta2_power``, once per
 graph) on a worker that owns at least one variable; the first-run flag of
@@ -28,12 +39,16 @@ graph) on a worker that owns at least one variable; the first-run flag of
 collection is added to. ``global_step`` is incremented once per applied
 update on every worker, after the broadcasts (the wrapped optimizer is not
 given it), so a schedule that reads it sees the same step everywhere.
+With ``shard_cache=True`` the accumulator's caches (``<var>/<scope>``) exist
+for the owned variables only; its counters (``micro_step``, ``weight_sum``,
+``skipped_windows``) on every worker.
 
 Checkpoints: see :mod:`gradaccum.consolidate` (each worker saves its own
 shard under ``<dir>/shard-<rank>-of-<P>/``).
 """
 from gradaccum import _validate
 from gradaccum._compat import BROADCAST_FROM_ANY_TASK, collective_broadcast_from, loss_scale_optimizer_types, tf
+from gradaccum._gradients import weighted
 from gradaccum._wrapper import optimizer_chain
 from gradaccum.collective import (_BROADCAST_DTYPES, DEFAULT_BUFFER_BYTES, GROUP_KEY, CollectiveAllReduce,
                                   _check_static, _device, _instance_keys, _packed)
@@ -96,6 +111,28 @@ def _check_wrapped(optimizer):
                              % type(inner).__name__)
 
 
+def _names(variables):
+    return frozenset(var.op.name for var in variables)
+
+
+def _at_least_float32(grad):
+    """Half-precision sums over workers would lose digits: sum in float32, as the window's cache does."""
+    grad = tf.convert_to_tensor(grad)
+    return tf.cast(grad, tf.float32) if grad.dtype.base_dtype in (tf.float16, tf.bfloat16) else grad
+
+
+def _check_cacheable(pairs, size):
+    """Stage 2 refuses sparse gradients: summing them per micro-batch would densify them, silently."""
+    for grad, var in pairs:
+        if isinstance(grad, tf.IndexedSlices):
+            raise ValueError(
+                "ShardedAllReduce(shard_cache=True) needs dense gradients: the gradient of %r is sparse "
+                "(tf.IndexedSlices, from tf.gather or an embedding lookup); its exact sparse update and clip "
+                "norm need each worker's rows. Use shard_cache=False, or make the gradient dense" % var.op.name)
+        _check_static(tf.convert_to_tensor(grad), "the gradient of %r" % var.op.name)
+    _check_broadcastable([var for _, var in pairs])
+
+
 def _check_broadcastable(variables):
     for var in variables:
         if var.dtype.base_dtype not in _BROADCAST_DTYPES:
@@ -125,9 +162,12 @@ class ShardedAllReduce(CollectiveAllReduce):
     * Every worker saves and restores its own checkpoint shard
       (:mod:`gradaccum.consolidate`); a worker restores its own shard and
       broadcasts nothing after it.
-    * Not supported in stage 1: a wrapped loss-scale optimizer (refused
-      here; use ``skip_nonfinite``), sharding the accumulation cache (stage
-      2: no switch yet), splitting one variable over workers. Towers inside
+    * Not supported: a wrapped loss-scale optimizer (refused here; use
+      ``skip_nonfinite``), splitting one variable over workers.
+    * ``shard_cache=True`` (stage 2) shards the accumulation cache too:
+      ``4 + 12 / P`` bytes per parameter; k all-reduces per update instead
+      of one (:meth:`reduce_micro_batch`). It refuses sparse gradients,
+      statistics, observers, window batch norm and loss scaling. Towers inside
       a worker are fine (the worker's optimizer state is not split further
       over them). A sparse gradient (``tf.gather``) is densified for the
       all-reduce, as by the unsharded engine, and applied sparse by its owner.
@@ -140,10 +180,11 @@ class ShardedAllReduce(CollectiveAllReduce):
       timeout_seconds: as in ``CollectiveAllReduce``.
       buffer_bytes: the largest all-reduce or broadcast message.
       name: name scope of the reduce and broadcast ops.
+      shard_cache: bool; True shards the accumulation cache too (stage 2).
 
     Raises:
-      TypeError: when ``optimizer`` is not a v1 optimizer, or ``config`` not
-        a ``ClusterConfig``.
+      TypeError: when ``optimizer`` is not a v1 optimizer, ``config`` not
+        a ``ClusterConfig``, or ``shard_cache`` not a bool.
       ValueError: for a loss-scale, reducer or accumulator ``optimizer``, a
         ps task's ``config``, a bad ``timeout_seconds``, ``buffer_bytes`` or
         ``name``.
@@ -157,13 +198,18 @@ class ShardedAllReduce(CollectiveAllReduce):
     """
 
     def __init__(self, optimizer, config, *, timeout_seconds=None, buffer_bytes=DEFAULT_BUFFER_BYTES,
-                 name="ShardedAllReduce"):
+                 name="ShardedAllReduce", shard_cache=False):
         super(ShardedAllReduce, self).__init__(optimizer, config, timeout_seconds=timeout_seconds,
                                                buffer_bytes=buffer_bytes, name=name)
         _check_wrapped(optimizer)
+        if not isinstance(shard_cache, bool):
+            raise TypeError("`shard_cache` must be a bool, got %s" % _validate.describe(shard_cache))
+        self._shard_cache = shard_cache
         self._owners = {}
+        self._partitions = {}  # Stage 2: {owned variable names: (every variable, owners)}
         self._broadcasts = 0
         self._sent_bytes = 0
+        self._micro_bytes = 0
 
     @property
     def owners(self):
@@ -185,6 +231,65 @@ class ShardedAllReduce(CollectiveAllReduce):
         bytes count here too.
         """
         return self._sent_bytes
+
+    @property
+    def shard_cache(self):
+        """Whether the accumulation cache is sharded too (stage 2)."""
+        return self._shard_cache
+
+    @property
+    def micro_batch_bytes(self):
+        """Bytes this worker puts into the all-reduces of one micro-batch (stage 2; 0 before or without it).
+
+        A ring all-reduce sends about ``2 (P - 1) / P`` times this per worker,
+        k times per update.
+        """
+        return self._micro_bytes
+
+    def reduce_micro_batch(self, grads_and_vars, weight):
+        """Stage 2: sums ``weight * gradient`` over the workers on every micro-batch; returns this worker's share.
+
+        The gradients are packed as at the end of a window (one buffer per
+        dtype, split above ``buffer_bytes``) and all-reduced, on every TF
+        version; each worker keeps the sums of the variables it owns
+        (:func:`partition_variables`), so the window caches those only.
+        Half-precision gradients are summed in float32.
+
+        Args:
+          grads_and_vars: list of ``(gradient, variable)`` of one micro-batch.
+          weight: None or a scalar tensor, the micro-batch's weight.
+
+        Returns:
+          None without ``shard_cache`` or for one process; else the owned
+          ``(sum over workers, variable)`` pairs.
+
+        Raises:
+          ValueError: for a sparse (``IndexedSlices``) gradient, fewer
+            variables than workers, a variable of a dtype collectives cannot
+            carry, or a shape not fully defined.
+
+        Example:
+          >>> mine = reducer.reduce_micro_batch(pairs, tf.shape(x)[0])
+        """
+        if not self._shard_cache or self._size == 1:
+            return None
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        variables = [v for _, v in pairs]
+        _check_cacheable(pairs, self._size)
+        owners = partition_variables(variables, self._size)
+        if set(owners) != set(range(self._size)):
+            raise ValueError("ShardedAllReduce(shard_cache=True) needs every worker to own a variable: %d "
+                             "variables with gradients over `config`'s %d workers leave rank %d none"
+                             % (len(variables), self._size, min(set(range(self._size)) - set(owners))))
+        with tf.compat.v1.name_scope(self._name + "_micro_batch"):
+            flat = [weighted(_at_least_float32(g), weight) for g, _ in pairs]
+            self._micro_bytes = sum(t.shape.num_elements() * t.dtype.size for t in flat)
+            before = self._bytes
+            reduced, _ = _packed(flat, self._buffer_bytes, self._all_reduce)
+            self._bytes = before
+        mine = [(summed, var) for summed, var, owner in zip(reduced, variables, owners) if owner == self._rank]
+        self._partitions[_names(var for _, var in mine)] = (variables, owners)
+        return mine
 
     def apply_reduced(self, grads_and_vars, global_step=None, name=None):
         """Applies the wrapped optimizer to this worker's variables, then broadcasts every variable from its owner.
@@ -213,9 +318,13 @@ class ShardedAllReduce(CollectiveAllReduce):
             return self._optimizer.apply_gradients(pairs, global_step=global_step, name=name)
         variables = [v for _, v in pairs]
         _check_broadcastable(variables)
-        owners = partition_variables(variables, self._size)
+        if _names(variables) in self._partitions:  # Stage 2: the window gave this worker's share only.
+            variables, owners = self._partitions[_names(variables)]
+            mine = pairs
+        else:
+            owners = partition_variables(variables, self._size)
+            mine = [pair for pair, owner in zip(pairs, owners) if owner == self._rank]
         self._owners = dict((v.op.name, r) for v, r in zip(variables, owners))
-        mine = [pair for pair, owner in zip(pairs, owners) if owner == self._rank]
         # In the caller's name scope, as unsharded: Adam's beta powers are named from it.
         applied = self._optimizer.apply_gradients(mine) if mine else tf.no_op(name="owns_nothing")
         with tf.compat.v1.name_scope(self._name + "_broadcast"):

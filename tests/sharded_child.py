@@ -6,7 +6,8 @@ trained on 24 fixed points. Worker r reads its own uneven share
 ``--empty-window`` feeds nothing anywhere (zero weight); window
 ``--nan-window`` puts a NaN into the last worker's first micro-batch (skipped
 with ``skip_nonfinite``). ``--runs`` lists ``engine-optimizer`` trainings
-(``sharded-adam``, ``sharded-adamclip`` with ``clip_norm``, ``collective-sgd``, ...), one graph each, in this one
+(``sharded-adam``, ``sharded-adamclip`` with ``clip_norm``, ``collective-sgd``, ``stage2-adam`` for
+``shard_cache=True``, ...), one graph each, in this one
 process; each writes ``<out>-<run>-worker<r>.npz``. With ``--checkpoint-dir``
 (one run), every worker saves its shard every ``--checkpoint-every`` steps
 and at the end, and restores its shard of the newest common step on start;
@@ -36,18 +37,21 @@ def initial_values():
             ("w2", rng.normal(size=(5, 1)) / 2), ("b2", np.zeros(1)), ("scale", np.ones(3))]
 
 
-def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None):
+def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None, dense=False):
     """The graph's tensors: placeholders, loss, train op, variables by name, global step.
 
     ``k=None``: the plain optimizer (clipped by ``tf.clip_by_global_norm``
-    with ``clip_norm``), one run per update, the reference.
+    with ``clip_norm``), one run per update, the reference. ``dense``: the
+    embedding is looked up by a one-hot product (a dense gradient, the same
+    function) instead of ``tf.gather``.
     """
     x = tf.compat.v1.placeholder(tf.float64, [None, 3], name="x")
     ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
     y = tf.compat.v1.placeholder(tf.float64, [None, 1], name="y")
     step = tf.compat.v1.train.get_or_create_global_step()
     v = dict((name, tf.compat.v1.get_variable(name, initializer=value)) for name, value in initial_values())
-    h = tf.tanh(tf.matmul(x * tf.gather(v["emb"], ids) * v["scale"], v["w1"]) + v["b1"])
+    rows = tf.matmul(tf.one_hot(ids, ROWS, dtype=tf.float64), v["emb"]) if dense else tf.gather(v["emb"], ids)
+    h = tf.tanh(tf.matmul(x * rows * v["scale"], v["w1"]) + v["b1"])
     n = tf.shape(x)[0]
     loss = tf.reduce_sum(tf.square(tf.matmul(h, v["w2"]) + v["b2"] - y)) / tf.maximum(tf.cast(n, tf.float64), 1.0)
     opt = make_optimizer()
@@ -104,6 +108,7 @@ def _parse(argv):
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--dense", action="store_true", help="build(dense=True) in every run")
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
 
@@ -114,10 +119,14 @@ def _run(tf, args, config, server, run, after_training):
 
     engine, opt_name = run.split("-")
     size, rank = len(config.compute_tasks), config.compute_tasks.index((config.task_type, config.task_index))
-    make = gradaccum.ShardedAllReduce if engine == "sharded" else gradaccum.CollectiveAllReduce
+    if engine == "collective":
+        make = gradaccum.CollectiveAllReduce
+    else:
+        def make(opt, config, **kwargs):
+            return gradaccum.ShardedAllReduce(opt, config, shard_cache=engine == "stage2", **kwargs)
     with tf.Graph().as_default() as g:
         graph = build(tf, lambda: make(optimizer(tf, opt_name), config, timeout_seconds=60),
-                      clip_norm=CLIP_NORM if opt_name == "adamclip" else None)
+                      clip_norm=CLIP_NORM if opt_name == "adamclip" else None, dense=args.dense)
         broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
         init = tf.compat.v1.global_variables_initializer()
         saver = tf.compat.v1.train.Saver(max_to_keep=10)
@@ -148,7 +157,7 @@ def _run(tf, args, config, server, run, after_training):
         after_training()  # No collective runs after this: a peer that exits first is not a failure.
         values = sess.run(graph["variables"])
         reducer = graph["opt"].optimizer
-        owners = reducer.owners if engine == "sharded" else {}
+        owners = reducer.owners if engine != "collective" else {}
         np.savez("%s-%s-worker%d.npz" % (args.out, run, rank), step=sess.run(graph["step"]),
                  skipped=sess.run(skipped), held_names=np.array(sorted(held)),
                  held_bytes=np.array([held[n] for n in sorted(held)]),

@@ -1,4 +1,8 @@
-"""Tests of gradaccum.sharded (ZeRO stage 1 over collective workers) and gradaccum.consolidate.
+"""Tests of gradaccum.sharded (ZeRO stages 1 and 2 over collective workers) and gradaccum.consolidate.
+
+Stage 2 (``shard_cache=True``) runs the same jobs on the model with a dense
+embedding lookup (it refuses sparse gradients), and its refusals are checked
+by message.
 
 The single-process tests check the partition rule, one process (P = 1), the
 errors, the graph a worker of two builds (slots, broadcasts, their order and
@@ -84,12 +88,69 @@ def test_bad_combinations_are_one_clear_line():
             opt.apply_reduced([(tf.constant(1, tf.int16), flag)])
 
 
-def reference(opt_name, shares, count, empty=None, nan=None, extra=0):
+def _stage2_graph(rank=0, workers=2, dense=True, **accumulator):
+    """Builds worker ``rank``'s stage-2 train op in a graph of its own (v1 control flow); returns (graph, reducer)."""
+    graph = tf.Graph()
+    with graph.as_default(), v1_control_flow():
+        reducer = gradaccum.ShardedAllReduce(child.optimizer(tf, "adam"), _config(workers, rank), shard_cache=True)
+        if accumulator:
+            x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+            w = tf.compat.v1.get_variable("w", initializer=np.ones([3, 1]))
+            b = tf.compat.v1.get_variable("b", initializer=np.zeros([1]))
+            opt = gradaccum.GradientAccumulator(reducer, 3, **accumulator)
+            opt.minimize(tf.reduce_sum(tf.matmul(x, w) + b), tf.compat.v1.train.get_or_create_global_step())
+        else:
+            child.build(tf, lambda: reducer, dense=dense)
+    return graph, reducer
+
+
+@pytest.mark.parametrize("case, message", [
+    (dict(dense=False), r"^ShardedAllReduce\(shard_cache=True\) needs dense gradients: the gradient of 'emb' is "
+                        r"sparse \(tf.IndexedSlices"),
+    (dict(statistics=True), r"^ShardedAllReduce sums each micro-batch over the workers and caches a share of the "
+                            r"gradient \(shard_cache=True\): it cannot be combined with statistics, an adaptive "
+                            r"policy or observers, which need"),
+    (dict(loss_scaling=True), r"it cannot be combined with loss scaling, which need"),
+    (dict(skip_nonfinite=True), r"^ShardedAllReduce\(shard_cache=True\) needs every worker to own a variable: 2 "
+                                r"variables with gradients over `config`'s 3 workers leave rank 2 none$"),
+])
+def test_stage2_refuses_what_needs_the_whole_micro_batch_gradient(case, message):
+    workers = 3 if "skip_nonfinite" in case else 2
+    with pytest.raises(ValueError, match=message):
+        _stage2_graph(workers=workers, **case)
+    with pytest.raises(TypeError, match=r"^`shard_cache` must be a bool, got 'yes'$"):
+        gradaccum.ShardedAllReduce(child.optimizer(tf, "sgd"), None, shard_cache="yes")
+
+
+def test_a_stage2_worker_caches_its_own_variables_and_all_reduces_every_micro_batch():
+    keys = []
+    for rank in (0, 1):
+        graph, reducer = _stage2_graph(rank)
+        with graph.as_default():
+            names = [v.op.name for v in tf.compat.v1.global_variables()]
+        mine = sorted(n for n, r in reducer.owners.items() if r == rank)
+        assert sorted(reducer.owners) == sorted(_NAMES) and 0 < len(mine) < len(_NAMES)
+        assert sorted(n.rsplit("/", 1)[0] for n in names if n.endswith("/GradientAccumulator")) == mine
+        assert sorted(n[:-len("/Adam")] for n in names if n.endswith("/Adam")) == mine
+        ops = graph.get_operations()
+        micro = [op for op in ops if op.type == "CollectiveReduce" and "_micro_batch/" in op.name]
+        window = [op for op in ops if op.type == "CollectiveReduce" and "_reduce/" in op.name]
+        assert len(micro) == 1 and len(window) == 1  # float64 only: one buffer each
+        assert micro[0].inputs[0].shape.num_elements() == sum(
+            int(np.prod(value.shape)) for _, value in child.initial_values())
+        assert reducer.micro_batch_bytes == 8 * micro[0].inputs[0].shape.num_elements()
+        # The window's exchange carries the weight, the share's squared norm and its non-finite flag only.
+        assert window[0].inputs[0].shape.num_elements() == 2
+        keys.append(sorted(op.get_attr("instance_key") for op in ops if op.type.startswith("Collective")))
+    assert [k - keys[0][0] for k in keys[0]] == [k - keys[1][0] for k in keys[1]]  # alike on both workers
+
+
+def reference(opt_name, shares, count, empty=None, nan=None, extra=0, dense=False):
     """One process, plain optimizer, one run per applied window on the union of the workers' points."""
     plan, skipped = child.windows(shares, count + extra, empty, nan)
     clip = child.CLIP_NORM if opt_name == "adamclip" else None
     with tf.Graph().as_default():
-        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None, clip_norm=clip)
+        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None, clip_norm=clip, dense=dense)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for w in range(count + extra):
@@ -182,14 +243,16 @@ def test_a_worker_builds_slots_for_its_variables_only_and_broadcasts_after_its_u
 _PRUNED = tf.compat.v1.ConfigProto(graph_options=tf.compat.v1.GraphOptions(place_pruned_graph=True))
 
 
-def _save_shard(rank, workers, directory, step=5):
+def _save_shard(rank, workers, directory, step=5, stage2=False, micro_step=0):
     """Worker ``rank``'s checkpoint with every variable set to a value of its own name (model alike)."""
-    graph, _, _ = _worker_graph(rank, workers)
+    graph = _stage2_graph(rank, workers)[0] if stage2 else _worker_graph(rank, workers)[0]
     with graph.as_default(), tf.compat.v1.Session(config=_PRUNED) as sess:
         for var in tf.compat.v1.global_variables():
             value = np.zeros(var.shape, var.dtype.base_dtype.as_numpy_dtype)
             if var.dtype.base_dtype == tf.float64:
                 value += len(var.op.name) + np.arange(value.size).reshape(value.shape)
+            if var.op.name.endswith("/micro_step"):
+                value += micro_step
             var.load(value, sess)
         tf.compat.v1.train.get_global_step().load(step, sess)
         saver = tf.compat.v1.train.Saver()
@@ -233,6 +296,25 @@ def test_consolidated_shards_restore_into_one_unsharded_process_and_into_three_w
         consolidate.sharded_checkpoints(directory)
 
 
+@pytest.mark.parametrize("micro_step", [0, 1])
+def test_stage2_shards_consolidate_at_a_window_end_only(micro_step, tmp_path):
+    directory, out = str(tmp_path / "ckpt"), str(tmp_path / "out" / "model.ckpt")
+    for rank in (0, 1):
+        _save_shard(rank, 2, directory, stage2=True, micro_step=micro_step)
+    if micro_step:
+        with pytest.raises(ValueError, match=r"^the shards were saved in the middle of a window of "
+                                             r"'GradientAccumulator' by a job with shard_cache=True"):
+            consolidate.consolidate(directory, out)
+        return
+    plain = _restore_values(consolidate.consolidate(directory, out), lambda: child.build(
+        tf, lambda: child.optimizer(tf, "adam"), dense=True))  # One process, unsharded: a cache per variable.
+    caches = [name for name in plain if name.endswith("/GradientAccumulator")]
+    assert sorted(name.rsplit("/", 1)[0] for name in caches) == sorted(_NAMES)
+    for name in caches + [n + "/Adam" for n in _NAMES]:  # each from its owner's shard
+        np.testing.assert_array_equal(plain[name], len(name) + np.arange(plain[name].size).reshape(
+            plain[name].shape), name)
+
+
 # ------------------------------------------------------------ multi-process
 
 
@@ -263,16 +345,20 @@ def _load(out, run, rank):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["sharded", "stage2"])
 @pytest.mark.parametrize("shares", [[9, 15], [5, 12, 7]])
-def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, tmp_path):
-    out, workers = str(tmp_path / "run"), len(shares)
-    runs = ["sharded-adam", "sharded-sgd", "sharded-adamclip", "collective-adam"]
+def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, engine, tmp_path):
+    """Stage 1 (``sharded``) on the model with a sparse embedding; stage 2 (``stage2``, ``shard_cache=True``,
+    which refuses sparse gradients) on the same model with a dense lookup."""
+    out, workers, dense = str(tmp_path / "run"), len(shares), engine == "stage2"
+    runs = [engine + "-adam", engine + "-sgd", engine + "-adamclip", "collective-adam"]
     results = _run_job(workers, ["--runs", ",".join(runs), "--shares", ",".join(map(str, shares)),
-                                 "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out])
+                                 "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out]
+                       + (["--dense"] if dense else []))
     assert [status for status, _, _ in results] == [0] * workers, [err[-2000:] for _, _, err in results]
     for run in runs:
         engine, opt_name = run.split("-")
-        want = reference(opt_name, shares, 6, empty=1, nan=3)
+        want = reference(opt_name, shares, 6, empty=1, nan=3, dense=dense)
         got = [_load(out, run, rank) for rank in range(workers)]
         for rank, values in enumerate(got):
             assert (int(values["step"]), int(values["skipped"])) == (4, 2), (run, rank)  # alike everywhere
@@ -289,27 +375,30 @@ def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, tmp_
             slots = sorted(n.rsplit("/", 1)[0] for n in held if n.endswith(("/Adam", "/Adam_1")))
             mine = sorted(n for n in _NAMES if owners[n] == rank)
             assert slots == (sorted(mine * 2) if opt_name != "sgd" else []), (run, rank)
+            caches = sorted(n.rsplit("/", 1)[0] for n in held if n.endswith("/GradientAccumulator"))
+            assert caches == (mine if engine == "stage2" else sorted(_NAMES)), (run, rank)
             assert held.count("beta1_power") == (1 if opt_name != "sgd" else 0)
             assert values["owner_ranks"].tolist() == got[0]["owner_ranks"].tolist()
     for name in _NAMES:  # and the unsharded engine's Adam, in the same processes
-        np.testing.assert_allclose(_load(out, "sharded-adam", 0)[name], unsharded[0][name], **_TOL)
-    clipped = _load(out, "sharded-adamclip", 0)  # The clip bound: the whole gradient's norm, on every worker.
+        np.testing.assert_allclose(_load(out, runs[0], 0)[name], unsharded[0][name], **_TOL)
+    clipped = _load(out, runs[2], 0)  # The clip bound: the whole gradient's norm, on every worker.
     assert not np.allclose(clipped["w1"], unsharded[0]["w1"], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.distributed
-def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continues_in_one_process(tmp_path):
-    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
-    args = ["--runs", "sharded-adam", "--shares", "9,15", "--windows", "7", "--checkpoint-dir", ckpt,
-            "--checkpoint-every", "3", "--out", out]
+@pytest.mark.parametrize("engine", ["sharded", "stage2"])
+def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continues_in_one_process(engine, tmp_path):
+    out, ckpt, dense = str(tmp_path / "run"), str(tmp_path / "ckpt"), engine == "stage2"
+    args = ["--runs", engine + "-adam", "--shares", "9,15", "--windows", "7", "--checkpoint-dir", ckpt,
+            "--checkpoint-every", "3", "--out", out] + (["--dense"] if dense else [])
     killed = _run_job(2, args + ["--kill-at", "5"])
     assert killed[1][0] == -9 and killed[0][0] != 0, [(s, e[-1500:]) for s, _, e in killed]
     assert "saved global_step 3" in killed[0][1] and "saved global_step 6" not in killed[0][1]
     resumed = _run_job(2, args)
     assert [status for status, _, _ in resumed] == [0, 0], [err[-2000:] for _, _, err in resumed]
     assert all("restored global_step 3\n" in text for _, text, _ in resumed)
-    want = reference("adam", [9, 15], 7)
-    final = [_load(out, "sharded-adam", rank) for rank in (0, 1)]
+    want = reference("adam", [9, 15], 7, dense=dense)
+    final = [_load(out, engine + "-adam", rank) for rank in (0, 1)]
     for name in _NAMES:
         for values in final:
             np.testing.assert_allclose(values[name], want[name], err_msg=name, **_TOL)
@@ -319,14 +408,14 @@ def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continue
                                                                       for r in (0, 1)]
     plan, _ = child.windows([9, 15], 8)
     with tf.Graph().as_default():  # One unsharded process restores it and trains window 8: Adam's state is whole.
-        graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None)
+        graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None, dense=dense)
         with tf.compat.v1.Session() as sess:
             tf.compat.v1.train.Saver().restore(sess, ordinary)
             assert int(sess.run(graph["step"])) == 7
             restored = sess.run(graph["variables"])
             sess.run(graph["train"], child.feed(graph, np.concatenate([p for ps in plan[7] for p in ps])))
             continued = sess.run(graph["variables"])
-    want8 = reference("adam", [9, 15], 7, extra=1)
+    want8 = reference("adam", [9, 15], 7, extra=1, dense=dense)
     for name in _NAMES:
         np.testing.assert_array_equal(restored[name], final[0][name], err_msg=name)
         np.testing.assert_allclose(continued[name], want8[name], err_msg=name, **_TOL)
