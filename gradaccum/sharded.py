@@ -25,7 +25,7 @@ Stage 2 (``shard_cache=True``): :meth:`~ShardedAllReduce.reduce_micro_batch`
 all-reduces each micro-batch's weighted gradient when it is added (on every
 TF version: all-reduce, then each worker keeps its own variables' sums; no
 reduce-scatter) and hands the window the owned sums only, so the window
-caches those only; at the window's end :meth:`reduce` gets no gradient,
+caches those only; at the window's end :meth:`~gradaccum.Reducer.reduce` gets no gradient,
 only the weight and the whole-gradient scalars (squared norm, non-finite
 count) that every worker decides from. Bytes on the wire per update: k
 times the all-reduce's, plus the broadcasts. Refused: sparse gradients,
