@@ -189,14 +189,19 @@ def update_ops():
     return tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
 
 
-def ours(model_fn, images, labels, k, make_optimizer, global_step, **accumulator_args):
-    """``gradaccum.GradientAccumulator``, fused train op, ``weight`` = the micro-batch size."""
+def ours(model_fn, images, labels, k, make_optimizer, global_step, keep=None, **accumulator_args):
+    """``gradaccum.GradientAccumulator``, fused train op, ``weight`` = the micro-batch size.
+
+    ``keep``: None, or a list the accumulator is appended to (for its manual ops).
+    """
     import gradaccum
 
     tf = _tf()
     loss = model_fn(images, labels)
     weight = accumulator_args.pop("weight") if "weight" in accumulator_args else tf.shape(images)[0]
     opt = gradaccum.GradientAccumulator(make_optimizer(), k, **accumulator_args)
+    if keep is not None:
+        keep.append(opt)
     return Window([], opt.minimize(loss, global_step=global_step, weight=weight), [])
 
 

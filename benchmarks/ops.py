@@ -30,6 +30,7 @@ The JSON also lists the accumulator's executed nodes of an accumulate run: ``our
 """
 import argparse
 import collections
+import functools
 import json
 import os
 import random
@@ -95,33 +96,23 @@ def measure(setup):
 
 def time_decision(setup, runs):
     """``(median train/accumulate ratio, median ms difference)``: the cond's cost on a run that only adds."""
-    tf = harness._tf()
-    import gradaccum
-
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.compat.v1.set_random_seed(0)
-        images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1], name="images")
-        labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
-        loss = harness.MODELS[setup["model"]](images, labels, **setup["model_args"])
-        opt = gradaccum.GradientAccumulator(tf.compat.v1.train.AdamOptimizer(1e-3), 50)
-        fetches = {"train": opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step(),
-                                         weight=tf.shape(images)[0]),
-                   "accumulate": opt.accumulate_op}
-        zero, init = opt.zero_op, tf.compat.v1.global_variables_initializer()
-    session = tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(device_count={"CPU": 1}))
-    session.run(init)
-    feeds = harness.random_feeds(images, labels, setup["micro"], 4, 0)
+    kept = []
+    bench = harness.build_bench("decision", setup["model"], functools.partial(harness.ours, keep=kept),
+                                setup["micro"], 50, setup["model_args"])
+    opt = kept[0]
+    fetches = {"train": bench.window.each, "accumulate": opt.accumulate_op}
     times, order = {"train": [], "accumulate": []}, random.Random(0)
-    for index in range(runs + 10):  # The first 10 pairs warm up.
-        if index % 20 == 0:
-            session.run(zero)  # Never 50 adds: no run applies.
-        for name in order.sample(sorted(times), 2):
-            start = time.perf_counter()
-            session.run(fetches[name], feeds[index % 4])
-            if index >= 10:
-                times[name].append(time.perf_counter() - start)
-    session.close()
+    try:
+        for index in range(runs + 10):  # The first 10 pairs warm up.
+            if index % 20 == 0:
+                bench.session.run(opt.zero_op)  # Never 50 adds: no run applies.
+            for name in order.sample(sorted(times), 2):
+                start = time.perf_counter()
+                bench.session.run(fetches[name], bench.feeds[index % len(bench.feeds)])
+                if index >= 10:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        harness.close([bench])
     ratio = statistics.median(a / b for a, b in zip(times["train"], times["accumulate"]))
     return ratio, 1e3 * (statistics.median(times["train"]) - statistics.median(times["accumulate"]))
 

@@ -222,6 +222,7 @@ def summarize(runs):
 
 
 _STAGES = {"sharded": "stage1", "stage12": "stage12"}
+ENGINES = ("unsharded",) + tuple(_STAGES)
 
 
 def _table(runs):
@@ -249,8 +250,12 @@ def parse_args(argv):
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take")
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--engines", default="unsharded,sharded,stage12", help="engines to run, in round 0's order")
-    parser.add_argument("--child", choices=("sharded", "stage12", "unsharded"), default=None, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    parser.add_argument("--child", choices=ENGINES, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = [engine for engine in args.engines.split(",") if engine not in ENGINES]
+    if unknown:
+        parser.error("--engines: unknown engine %r (known: %s)" % (unknown[0], ", ".join(ENGINES)))
+    return args
 
 
 def main(argv=None):

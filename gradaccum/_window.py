@@ -480,7 +480,7 @@ def _end_window(end, may_be_empty=False):
 def _finish(end, sums):
     """Reduce, divide, decide skip, then apply or skip; returns an op."""
     config, state = end.config, end.state
-    sums, extras = _reduce(config.reducer, sums, state.observers, config, state.sharded)
+    sums, extras = _reduce(config, state, sums)
     usable = _usable(config, sums)
 
     def apply():
@@ -500,16 +500,17 @@ def _finish(end, sums):
     return tf.cond(usable, apply, lambda: _skip(state), name="apply_or_skip")
 
 
-def _reduce(reducer, sums, observers, config=None, sharded=False):
+def _reduce(config, state, sums):
     """Reduce: the window's sums, weight and every extra scalar, over the workers, in one exchange.
 
     Returns the reduced sums and, per observer, its reduced extra sums (none
     without a reducer: an observer then reads its own).
     """
+    reducer, sharded = config.reducer, state.sharded
     if reducer is None:  # Each observer reads its own sums.
-        return sums, [[] for _ in observers]
+        return sums, [[] for _ in state.observers]
     own = [] if sums.sparse_sq is None else [sums.sparse_sq]
-    asked = [list(observer.extra_sums()) for observer in observers]
+    asked = [list(observer.extra_sums()) for observer in state.observers]
     flat = own + [value for values in asked for value in values]
     whole = _share_scalars(config, sums) if sharded else []
     pairs, total, flat = reducer.reduce([] if sharded else sums.pairs, sums.total, flat + whole)
@@ -533,7 +534,7 @@ def _share_scalars(config, sums):
     dtype = sums.total.dtype.base_dtype
     scalars = []
     if config.clip_norm is not None:
-        scalars.append(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, dtype))) for g, _ in sums.pairs]))
+        scalars.append(tf.add_n(_squares([g for g, _ in sums.pairs], dtype)))
     if config.skip_nonfinite:
         scalars.append(tf.cast(tf.logical_not(all_finite(sums.pairs)), dtype))
     return scalars
@@ -609,8 +610,8 @@ def _clip(config, averaged, sums):
     elif sums.sparse_sq is not None:
         dtype = sums.sparse_sq.dtype.base_dtype
         total = tf.cast(sums.total, dtype)
-        squares = [sums.sparse_sq / (total * total)] + [
-            tf.reduce_sum(tf.square(tf.cast(g, dtype))) for g in grads if not isinstance(g, tf.IndexedSlices)]
+        squares = [sums.sparse_sq / (total * total)] + _squares(
+            [g for g in grads if not isinstance(g, tf.IndexedSlices)], dtype)
         norm = tf.cast(tf.sqrt(tf.add_n(squares)), grads[0].dtype.base_dtype, name="global_norm")
     clipped, _ = tf.clip_by_global_norm(list(grads), config.clip_norm, use_norm=norm, name="clip")
     return list(zip(clipped, variables))
@@ -761,12 +762,17 @@ def _has_sparse(pairs):
 
 def _sparse_sq_norm(grads, weight, dtype):
     """``w^2 * sum |values|^2`` over the sparse gradients' rows, as TF's global norm counts them."""
-    squares = [tf.reduce_sum(tf.square(tf.cast(g.values, dtype))) for g in grads if isinstance(g, tf.IndexedSlices)]
+    squares = _squares([g.values for g in grads if isinstance(g, tf.IndexedSlices)], dtype)
     total = tf.add_n(squares)
     if weight is None:
         return total
     w = tf.cast(weight, dtype)
     return total * w * w
+
+
+def _squares(tensors, dtype):
+    """``sum(t^2)`` of each tensor, in ``dtype``."""
+    return [tf.reduce_sum(tf.square(tf.cast(t, dtype))) for t in tensors]
 
 
 def _accumulator_dtype(var_dtype, minimum):

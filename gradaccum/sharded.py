@@ -121,7 +121,7 @@ def _at_least_float32(grad):
     return tf.cast(grad, tf.float32) if grad.dtype.base_dtype in (tf.float16, tf.bfloat16) else grad
 
 
-def _check_cacheable(pairs, size):
+def _check_cacheable(pairs):
     """Stage 2 refuses sparse gradients: summing them per micro-batch would densify them, silently."""
     for grad, var in pairs:
         if isinstance(grad, tf.IndexedSlices):
@@ -275,7 +275,7 @@ class ShardedAllReduce(CollectiveAllReduce):
             return None
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         variables = [v for _, v in pairs]
-        _check_cacheable(pairs, self._size)
+        _check_cacheable(pairs)
         owners = partition_variables(variables, self._size)
         if set(owners) != set(range(self._size)):
             raise ValueError("ShardedAllReduce(shard_cache=True) needs every worker to own a variable: %d "

@@ -257,12 +257,25 @@ def test_tiny_statistics_group_profiles_where_the_difference_goes():
     assert "| %s | %+.3f |" % tuple(profile["grown"][0]) in lines
 
 
+def _bench_script(name):
+    """A benchmark script as a module of its own (``sharded`` would shadow the package's)."""
+    spec = importlib.util.spec_from_file_location("bench_" + name, os.path.join(BENCH_DIR, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_decision_timing_pairs_train_op_and_accumulate_op():
-    spec = importlib.util.spec_from_file_location("bench_ops", os.path.join(BENCH_DIR, "ops.py"))
-    ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ops)
-    ratio, ms = ops.time_decision({"model": "cnn", "model_args": {"width": 2}, "micro": 4}, 3)
+    ratio, ms = _bench_script("ops").time_decision({"model": "cnn", "model_args": {"width": 2}, "micro": 4}, 3)
     assert math.isfinite(ratio) and ratio > 0 and math.isfinite(ms)
+
+
+def test_sharded_bench_names_an_unknown_engine(capsys):
+    bench = _bench_script("sharded")
+    assert bench.parse_args(["--engines", "stage12,unsharded"]).engines == "stage12,unsharded"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--engines", "unsharded,stage3"])
+    assert "--engines: unknown engine 'stage3' (known: unsharded, sharded, stage12)" in capsys.readouterr().err
 
 
 def test_memory_child_reports_sane_figures(tf_mode):
