@@ -99,8 +99,8 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         or ``observers`` not a list of ``WindowObserver``.
       ValueError: when ``num_micro_batches`` is not an int >= 1, a scalar
         integer tensor, a callable or a policy, ``clip_norm``
-        is not > 0, ``accumulation_dtype`` is not float32 or float64, or
-        ``name`` is empty.
+        is not > 0, ``accumulation_dtype`` is not float32 or float64,
+        ``name`` is empty, or ``loss_scaling=True`` with ``ShardedAllReduce``.
 
     Example:
       >>> opt = gradaccum.GradientAccumulator(
@@ -133,7 +133,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
             _shared(observer) for observer in given]
         # Facts about the wrapped chain, which never changes: read once, not per build step.
         self._reducer = optimizer if isinstance(optimizer, Reducer) else None
-        self._loss_scaled = _loss_scaled(optimizer, loss_scaling)
+        self._loss_scaled = _loss_scaled(optimizer, loss_scaling, self._reducer)
         self._windows = []
 
     # ------------------------------------------------------------------ API
@@ -427,9 +427,20 @@ def _weighted_grad_loss(loss, grad_loss, weight):
     return ones * tf.cast(weight, loss.dtype.base_dtype)
 
 
-def _loss_scaled(optimizer, loss_scaling):
-    """Whether ``optimizer``, or one it wraps, skips non-finite updates itself (TF's loss-scale optimizer)."""
-    if loss_scaling is not None:
-        return _validate.check_bool(loss_scaling, "loss_scaling")
-    types = loss_scale_optimizer_types()
-    return any(isinstance(wrapped, types) for wrapped in optimizer_chain(optimizer))
+def _loss_scaled(optimizer, loss_scaling, reducer):
+    """Whether ``optimizer``, or one it wraps, skips non-finite updates itself (TF's loss-scale optimizer).
+
+    Refused with a reducer that applies a share per worker: each would test
+    its own share for overflow only.
+    """
+    if loss_scaling is None:
+        types = loss_scale_optimizer_types()
+        scaled = any(isinstance(wrapped, types) for wrapped in optimizer_chain(optimizer))
+    else:
+        scaled = _validate.check_bool(loss_scaling, "loss_scaling")
+    if scaled and reducer is not None and reducer.applies_a_share:
+        raise ValueError(
+            "`loss_scaling` must not be True with %s: each worker applies the wrapped optimizer to its own "
+            "variables only, so a loss-scale optimizer would test its own share for overflow and the workers' "
+            "loss scales would drift apart; use skip_nonfinite=True" % type(reducer).__name__)
+    return scaled

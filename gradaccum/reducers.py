@@ -56,6 +56,17 @@ class Reducer(WrappingOptimizer):
       >>> opt = gradaccum.GradientAccumulator(SumOverWorkers(adam, "sum"), 4)
     """
 
+    @property
+    def applies_a_share(self):
+        """Whether each worker applies the wrapped optimizer to a share of the variables only (here: False).
+
+        Then a wrapped optimizer that tests the update for overflow itself (a
+        loss-scale optimizer, ``GradientAccumulator(loss_scaling=True)``)
+        would test its own share only and the workers' loss scales would
+        drift apart: the accumulator refuses that pair when it is constructed.
+        """
+        return False
+
     def reduce(self, sums_and_vars, total, extras):
         """Combines one window's sums over the workers (here: this worker's, unchanged).
 

@@ -233,6 +233,11 @@ class ShardedAllReduce(CollectiveAllReduce):
         return self._sent_bytes
 
     @property
+    def applies_a_share(self):
+        """True: each worker applies the wrapped optimizer to the variables it owns only."""
+        return True
+
+    @property
     def shard_cache(self):
         """Whether the accumulation cache is sharded too (stage 2)."""
         return self._shard_cache

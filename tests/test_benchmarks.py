@@ -380,3 +380,30 @@ def test_tensorpack_is_an_optional_extra_of_the_benchmarks():
         assert '"bench": ["tensorpack' in stream.read()
     if importlib.util.find_spec("tensorpack") is None:
         assert peers.unavailable("tensorpack") == "tensorpack is not installed"
+
+
+def _worker(engine, rank, held, ready, peak, tf_peak, seconds):
+    return {"engine": engine, "rank": rank, "held": dict(zip(("model", "cache", "slots"), held)),
+            "bytes_per_param": sum(held) / 10.0, "rss_ready": ready, "peak_rss": peak, "tf_peak": tf_peak,
+            "wire_bytes_per_update": 4.0, "update_seconds": seconds}
+
+
+def test_sharded_bench_summarizes_memory_three_ways_and_the_exchanges_alone():
+    bench, mb = _bench_script("sharded"), 2 ** 20
+    unsharded = [_worker("unsharded", r, (40 * mb, 40 * mb, 80 * mb), (1000 + r) * mb, 1200 * mb, 320 * mb, 0.4)
+                 for r in range(2)]
+    sharded = [_worker("sharded", r, (40 * mb, 40 * mb, 40 * mb), (960 + r) * mb, 1230 * mb, 290 * mb, 0.5)
+               for r in range(2)]
+    out = bench.summarize({("unsharded", 2): [unsharded], ("sharded", 2): [sharded]})
+    assert out["sharded_p2_stage1_predicted_drop_mb"] == pytest.approx(40.0)
+    assert out["sharded_p2_stage1_ready_rss_drop_mb"] == pytest.approx(40.0)
+    assert out["sharded_p2_stage1_tf_peak_drop_mb"] == pytest.approx(30.0)
+    assert out["sharded_p2_stage1_tf_peak_over_unsharded"] == pytest.approx(290.0 / 320.0)
+    assert out["sharded_p2_stage1_rss_drop_mb"] == pytest.approx(-30.0)
+    assert out["sharded_p2_stage1_time_over_unsharded"] == pytest.approx(1.25)
+    probe = {"all_reduce_seconds": 0.2, "broadcasts_seconds": 0.1, "all_gather_seconds": 0.12,
+             "reduce_scatter": "Failed to get CollectiveExecutor"}
+    out = bench.summarize_collectives({4: [probe, dict(probe, all_reduce_seconds=9.0)]})
+    assert out["collectives_p4_stage1_exchange_over_unsharded"] == pytest.approx(1.5)  # worker 0's
+    assert out["collectives_p4_reduce_scatter"] == "Failed to get CollectiveExecutor"
+    assert out["collectives_p4_all_gather_seconds"] == 0.12
