@@ -58,7 +58,7 @@ class Reducer(WrappingOptimizer):
 
     @property
     def applies_a_share(self):
-        """Whether each worker applies the wrapped optimizer to a share of the variables only (here: False).
+        """Whether each worker applies the wrapped optimizer to a share of the variables only; False here.
 
         Then a wrapped optimizer that tests the update for overflow itself (a
         loss-scale optimizer, ``GradientAccumulator(loss_scaling=True)``)

@@ -234,7 +234,7 @@ class ShardedAllReduce(CollectiveAllReduce):
 
     @property
     def applies_a_share(self):
-        """True: each worker applies the wrapped optimizer to the variables it owns only."""
+        """Whether each worker applies the wrapped optimizer to a share of the variables only; True here, its own."""
         return True
 
     @property
