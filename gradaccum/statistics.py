@@ -211,8 +211,9 @@ class GradientStatistics(WindowObserver):
 
     def applying(self, update):
         """:meth:`observe_big` of the averaged window (or its ``sq_norm``), with the reduced small-batch sums."""
+        given = {} if update.sq_norm is None else {"sq_norm": update.sq_norm}  # An override may predate it.
         return self.observe_big([g for g, _ in update.grads_and_vars], update.total,
-                                small_sums=update.extras or None, sq_norm=update.sq_norm)
+                                small_sums=update.extras or None, **given)
 
     # --------------------------------------------------------- the updates
 
@@ -276,8 +277,7 @@ class GradientStatistics(WindowObserver):
           small_sums: ``None`` (this worker's), or :meth:`small_sums` summed
             over the workers, so that every worker estimates from every
             small batch and all of them get the same numbers.
-          sq_norm: ``None``, or their squared global norm, used instead of
-            them (a sharded cache's, whose ``averaged_grads`` are a share).
+          sq_norm: ``None``, or their squared global norm to use instead (stage 2: they are a share).
 
         Returns:
           An op; it reads the small batches' sums, so it must run after the
