@@ -16,7 +16,9 @@ sum each micro-batch over the workers as it is added
 (``Reducer.reduce_micro_batch``, ZeRO stage 2): the window then caches the
 pairs it returns only, reduces only scalars at the end, and decides skip and
 clip from the whole gradient's squared norm and non-finite count summed
-over the workers (what needs each micro-batch's whole gradient is refused
+over the workers. Its observers see each micro-batch's local gradients,
+as without it, and the whole window's squared norm in
+``WindowUpdate.sq_norm`` (window batch norm and loss scaling are refused
 there, in one ``ValueError``). The window size comes
 from one :class:`WindowSize`, read when a window's first micro-batch arrives.
 This module imports none of the feature modules.
@@ -88,9 +90,9 @@ _State = collections.namedtuple("_State", [
     "slots", "micro_step", "weight_sum", "size", "sparse_sq", "skipped", "observers", "made", "sharded"],
     defaults=[False])
 # A window's sums at its end: ``rows`` are the sparse caches' touched rows.
-# Sharded only: the whole gradient's squared norm (with ``clip_norm``) and
-# the workers' count of non-finite shares (with ``skip_nonfinite``), summed
-# over the workers.
+# Sharded only: the whole gradient's squared norm (with ``clip_norm`` or
+# observers) and the workers' count of non-finite shares (with
+# ``skip_nonfinite``), summed over the workers.
 _Sums = collections.namedtuple("_Sums", ["pairs", "total", "sparse_sq", "rows", "sq_norm", "nonfinite"],
                                defaults=[None, None])
 # What every end-of-window step needs: the config, the state, the step
@@ -290,7 +292,7 @@ def _build_window(config, pairs, step):
         state = _create_state(config, cached, step, pairs, sharded)
         end = _End(config, state, step.global_step, outer_scope)
         with tf.control_dependencies(step.update_ops):
-            accumulate = _accumulate(config, state, cached, step)
+            accumulate = _accumulate(config, state, cached, step, pairs)
             with tf.control_dependencies([accumulate]):
                 limit = config.size.k if state.size is None else state.size.read_value()
                 due = tf.greater_equal(state.micro_step.read_value(), limit, name="window_full")
@@ -326,7 +328,8 @@ def _create_state(config, pairs, step, every_pair, sharded):
         if config.clip_norm is not None and _has_sparse(pairs):
             sparse_sq = state_variable("sparse_sq_norm", [], sum_dtype, first)
         skipped = state_variable("skipped_windows", [], tf.int64, first)
-        made = _make_observers(config, pairs, sum_dtype)
+        # Every pair, not the cached share: observers see the whole model.
+        made = _make_observers(config, every_pair, sum_dtype)
     return _State(slots, micro_step, weight_sum, size, sparse_sq, skipped, made + list(step.observers), len(made),
                   sharded)
 
@@ -367,18 +370,18 @@ def _size(config, state, global_step):
 def _reduce_micro_batch(config, pairs, step):
     """``(pairs to cache, step, sharded)``: the reducer's micro-batch sums (already weighted) when it gives them.
 
-    A sharded cache holds a share of the gradient: what reads each
-    micro-batch's whole gradient (statistics, an adaptive policy, observers,
-    window batch norm) or tests its own share for overflow (loss scaling)
-    cannot work with it, so those combinations are refused here.
+    A sharded cache holds a share of the gradient. Observers (statistics,
+    an adaptive policy, user ones) still see each micro-batch's local
+    gradients (``_accumulate``) and the whole window's squared norm
+    (``_reduce``). Window batch norm, and loss scaling (which would test its
+    own share for overflow), are still refused here.
     """
     if config.reducer is None:
         return pairs, step, False
     cached = config.reducer.reduce_micro_batch(pairs, None if step.weighted_grads else step.weight)
     if cached is None:
         return pairs, step, False
-    refused = [what for what, used in (("statistics, an adaptive policy or observers", config.observers),
-                                       ("window batch norm", step.observers),
+    refused = [what for what, used in (("window batch norm", step.observers),
                                        ("loss scaling", config.loss_scaled)) if used]
     if refused:
         raise ValueError("%s sums each micro-batch over the workers and caches a share of the gradient "
@@ -390,8 +393,13 @@ def _reduce_micro_batch(config, pairs, step):
     return list(cached), step._replace(weighted_grads=True), True
 
 
-def _accumulate(config, state, pairs, step):
-    """Adds one micro-batch: gradients times weight (unless already), the weight, the count."""
+def _accumulate(config, state, pairs, step, local):
+    """Adds one micro-batch: gradients times weight (unless already), the weight, the count.
+
+    ``local`` are this worker's own pairs, which the observers see: ``pairs``
+    itself, or (sharded) the pairs before the reducer summed them over the
+    workers, so that observers see what they see without sharding.
+    """
     weight = step.weight
     with tf.compat.v1.name_scope("accumulate"):
         grad_weight = None if step.weighted_grads else weight
@@ -412,7 +420,7 @@ def _accumulate(config, state, pairs, step):
         # still count one micro-batch.
         with tf.control_dependencies(list(adds)):
             adds.append(state.weight_sum.assign_add(added))
-        adds.extend(_notify(state.observers, "added", MicroBatch(pairs, weight, step.small_batches)))
+        adds.extend(_notify(state.observers, "added", MicroBatch(local, weight, step.small_batches)))
         with tf.control_dependencies(adds):
             # The counter moves last, so reading it orders after every addition.
             return tf.group(state.micro_step.assign_add(1), name="accumulate")
@@ -487,7 +495,8 @@ def _finish(end, sums):
         divide = state.micro_step is not None or config.reducer is not None
         averaged = normalized(sums.pairs, sums.total if divide else None)
         finite = _loss_scale_applies(config, averaged)
-        updates = [WindowUpdate(averaged, sums.total, mine, state.observers) for mine in extras]
+        big = _averaged_sq_norm(sums) if state.observers else None
+        updates = [WindowUpdate(averaged, sums.total, mine, state.observers, big) for mine in extras]
         applied = _clip_and_apply(end, averaged, sums, updates, finite)
         with tf.control_dependencies([applied]):
             if finite is None:
@@ -512,7 +521,7 @@ def _reduce(config, state, sums):
     own = [] if sums.sparse_sq is None else [sums.sparse_sq]
     asked = [list(observer.extra_sums()) for observer in state.observers]
     flat = own + [value for values in asked for value in values]
-    whole = _share_scalars(config, sums) if sharded else []
+    whole = _share_scalars(config, state, sums) if sharded else []
     pairs, total, flat = reducer.reduce([] if sharded else sums.pairs, sums.total, flat + whole)
     pairs = sums.pairs if sharded else pairs  # Sharded: summed over the workers micro-batch by micro-batch.
     sparse_sq = flat[0] if own else None
@@ -520,24 +529,41 @@ def _reduce(config, state, sums):
     for values in asked:
         extras.append(list(flat[position:position + len(values)]))
         position += len(values)
-    sq_norm = flat[position] if sharded and config.clip_norm is not None else None
+    sq_norm = flat[position] if sharded and _needs_sq_norm(config, state) else None
     nonfinite = flat[-1] if sharded and config.skip_nonfinite else None
     return _Sums(pairs, total, sparse_sq, sums.rows, sq_norm, nonfinite), extras
 
 
-def _share_scalars(config, sums):
+def _share_scalars(config, state, sums):
     """Of this worker's share of a sharded window: its squared norm, and 1 if it is not finite (else 0).
 
     Summed over the workers, they give the whole gradient's norm and
-    finiteness, so that every worker clips and skips alike.
+    finiteness, so that every worker clips, skips and observes alike.
     """
     dtype = sums.total.dtype.base_dtype
     scalars = []
-    if config.clip_norm is not None:
+    if _needs_sq_norm(config, state):
         scalars.append(tf.add_n(_squares([g for g, _ in sums.pairs], dtype)))
     if config.skip_nonfinite:
         scalars.append(tf.cast(tf.logical_not(all_finite(sums.pairs)), dtype))
     return scalars
+
+
+def _needs_sq_norm(config, state):
+    """Sharded: whether the whole window's squared norm is reduced (to clip, or for the observers)."""
+    return config.clip_norm is not None or bool(state.observers)
+
+
+def _averaged_sq_norm(sums):
+    """Sharded: the averaged whole gradient's squared norm, ``sq_norm / total^2``; else ``None``.
+
+    The observers get it in ``WindowUpdate.sq_norm``: their averaged pairs
+    are this worker's share only.
+    """
+    if sums.sq_norm is None:
+        return None
+    total = tf.cast(sums.total, sums.sq_norm.dtype.base_dtype)
+    return tf.math.truediv(sums.sq_norm, total * total, name="averaged_sq_norm")
 
 
 # Decide skip: the two predicates, both on the reduced window, so that every

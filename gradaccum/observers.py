@@ -16,6 +16,13 @@ while the train op is *built*, and returns the ops to run at that point:
 * :meth:`~WindowObserver.reset` when the window is reset without applying
   (the accumulator's ``zero_op``); by default :meth:`skipped` does this too.
 
+With a sharded cache (``ShardedAllReduce(..., shard_cache=True)``, ZeRO
+stage 2), :meth:`~WindowObserver.added` still sees this worker's own
+micro-batch gradients of every variable (before they are summed over the
+workers), and the extra sums are reduced as without it; only the averaged
+pairs of :meth:`~WindowObserver.applying` and ``applied`` are this worker's
+share, with the whole gradient's squared norm in ``WindowUpdate.sq_norm``.
+
 The noise-scale statistics (``gradaccum.statistics``), the adaptive policy
 (``gradaccum.AdaptiveBatch``) and window batch norm
 (``gradaccum.batch_normalization`` under an accumulator) are observers. This
@@ -32,15 +39,23 @@ Attributes:
   small_batches: ``None``, or the towers' ``[(grads_and_vars, weight), ...]``.
 """
 
-WindowUpdate = collections.namedtuple("WindowUpdate", ["grads_and_vars", "total", "extras", "observers"])
+WindowUpdate = collections.namedtuple("WindowUpdate", ["grads_and_vars", "total", "extras", "observers", "sq_norm"],
+                                      defaults=[None])
 WindowUpdate.__doc__ = """What :meth:`WindowObserver.applying` and ``applied`` see of a window.
 
 Attributes:
-  grads_and_vars: the averaged ``(gradient, variable)`` pairs, before clipping.
+  grads_and_vars: the averaged ``(gradient, variable)`` pairs, before
+    clipping. With a sharded cache (``ShardedAllReduce(...,
+    shard_cache=True)``, ZeRO stage 2) they are this worker's share of the
+    variables only: read the whole gradient's norm from ``sq_norm``.
   total: the summed weight the window was divided by (over every worker).
   extras: this observer's :meth:`WindowObserver.extra_sums`, summed over
     the workers; ``[]`` when the window has no reducer (read your own).
   observers: every observer of the window, in order (one may read another).
+  sq_norm: ``None``, or (sharded cache) a scalar tensor: the squared global
+    norm of the averaged whole gradient, every variable of every worker's
+    share, before clipping; alike on every worker. ``None`` means: compute
+    it from ``grads_and_vars``, which then hold every variable.
 """
 
 

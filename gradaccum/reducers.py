@@ -26,7 +26,8 @@ for those pairs only (ZeRO stage 2, ``ShardedAllReduce(...,
 shard_cache=True)``); :meth:`Reducer.reduce` then gets no pairs, only the
 weight and the extra scalars, among them the window's whole-gradient
 scalars (its squared norm, its count of non-finite shares) that every
-worker decides skip and clip from. This module creates no variables and no
+worker decides skip and clip from, and that its observers get
+(``WindowUpdate.sq_norm``). This module creates no variables and no
 collections.
 """
 from gradaccum._wrapper import WrappingOptimizer

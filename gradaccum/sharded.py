@@ -29,8 +29,11 @@ caches those only; at the window's end :meth:`~gradaccum.Reducer.reduce` gets no
 only the weight and the whole-gradient scalars (squared norm, non-finite
 count) that every worker decides from. Bytes on the wire per update: k
 times the all-reduce's, plus the broadcasts. Refused: sparse gradients,
-fewer variables than workers (here), and the window's statistics,
-observers, window batch norm and loss scaling (by the window).
+fewer variables than workers (here), and window batch norm and loss
+scaling (by the window). Statistics, AdaptiveBatch and observers work, with
+the unsharded numbers: observers see each worker's own micro-batches and,
+at the window's end, its share with the whole gradient's squared norm
+(``WindowUpdate.sq_norm``, :mod:`gradaccum.observers`).
 
 Variables: the wrapped optimizer's slots, for the owned variables only, and
 its non-slot variables (Adam's ``beta1_power`` and ``beta2_power``, once per
@@ -167,7 +170,8 @@ class ShardedAllReduce(CollectiveAllReduce):
     * ``shard_cache=True`` (stage 2) shards the accumulation cache too:
       ``4 + 12 / P`` bytes per parameter; k all-reduces per update instead
       of one (:meth:`reduce_micro_batch`). It refuses sparse gradients,
-      statistics, observers, window batch norm and loss scaling. Towers inside
+      window batch norm and loss scaling (statistics, AdaptiveBatch and
+      observers work: see :mod:`gradaccum.observers`). Towers inside
       a worker are fine (the worker's optimizer state is not split further
       over them). A sparse gradient (``tf.gather``) is densified for the
       all-reduce, as by the unsharded engine, and applied sparse by its owner.

@@ -209,11 +209,11 @@ class GradientStatistics(WindowObserver):
         return self.observe_small([g for g, _ in micro_batch.grads_and_vars], micro_batch.weight,
                                   small_batches=micro_batch.small_batches)
 
-
     def applying(self, update):
-        """:meth:`observe_big` of the averaged window, with the reduced small-batch sums."""
+        """:meth:`observe_big` of the averaged window (or its ``sq_norm``), with the reduced small-batch sums."""
+        given = {} if update.sq_norm is None else {"sq_norm": update.sq_norm}  # An override may predate it.
         return self.observe_big([g for g, _ in update.grads_and_vars], update.total,
-                                small_sums=update.extras or None)
+                                small_sums=update.extras or None, **given)
 
     # --------------------------------------------------------- the updates
 
@@ -227,8 +227,7 @@ class GradientStatistics(WindowObserver):
         Args:
           grads: the micro-batch's gradients (``None`` entries are skipped),
             read when ``small_batches`` is ``None``.
-          weight: the micro-batch's weight, a scalar tensor, a number or
-            ``None`` (1).
+          weight: the micro-batch's weight: a scalar tensor, a number or ``None`` (1).
           small_batches: ``None`` (the micro-batch is one small batch), or a
             list of ``(grads_and_vars, weight)``, one per small batch (the
             towers' shards), whose weights add up to the micro-batch's.
@@ -267,7 +266,7 @@ class GradientStatistics(WindowObserver):
         """
         return [self._vars[name].read_value() for name in _WINDOW]
 
-    def observe_big(self, averaged_grads, window_weight, small_sums=None):
+    def observe_big(self, averaged_grads, window_weight, small_sums=None, sq_norm=None):
         """Counts an applied window: its estimates, the moving averages, then resets the window.
 
         Args:
@@ -278,6 +277,7 @@ class GradientStatistics(WindowObserver):
           small_sums: ``None`` (this worker's), or :meth:`small_sums` summed
             over the workers, so that every worker estimates from every
             small batch and all of them get the same numbers.
+          sq_norm: ``None``, or their squared global norm to use instead (stage 2: they are a share).
 
         Returns:
           An op; it reads the small batches' sums, so it must run after the
@@ -288,7 +288,7 @@ class GradientStatistics(WindowObserver):
         """
         v = self._vars
         with tf.compat.v1.name_scope("statistics"):
-            big = _sq_norm(averaged_grads, self._dtype)
+            big = _sq_norm(averaged_grads, self._dtype) if sq_norm is None else tf.cast(sq_norm, self._dtype)
             small_total, weight, count = self.small_sums() if small_sums is None else small_sums
             if window_weight is None:
                 window_weight = weight

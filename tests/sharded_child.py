@@ -7,8 +7,12 @@ trained on 24 fixed points. Worker r reads its own uneven share
 ``--nan-window`` puts a NaN into the last worker's first micro-batch (skipped
 with ``skip_nonfinite``). ``--runs`` lists ``engine-optimizer`` trainings
 (``sharded-adam``, ``sharded-adamclip`` with ``clip_norm``, ``collective-sgd``, ``stage2-adam`` for
-``shard_cache=True``, ...), one graph each, in this one
-process; each writes ``<out>-<run>-worker<r>.npz``. With ``--checkpoint-dir``
+``shard_cache=True``, ``-adamstats`` for Adam with ``statistics=True``,
+``-adaptive`` for SGD under an ``AdaptiveBatch``, whose windows split the
+worker's points into the k micro-batches the policy asks for, ...), one
+graph each, in this one process; each writes ``<out>-<run>-worker<r>.npz``
+(with the statistics, ``stats_<name>``, after every window, and the
+window sizes, ``sizes``). With ``--checkpoint-dir``
 (one run), every worker saves its shard every ``--checkpoint-every`` steps
 and at the end, and restores its shard of the newest common step on start;
 ``--kill-at W`` makes the last worker SIGKILL itself after the first
@@ -37,7 +41,7 @@ def initial_values():
             ("w2", rng.normal(size=(5, 1)) / 2), ("b2", np.zeros(1)), ("scale", np.ones(3))]
 
 
-def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None, dense=False):
+def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None, dense=False, statistics=False):
     """The graph's tensors: placeholders, loss, train op, variables by name, global step.
 
     ``k=None``: the plain optimizer (clipped by ``tf.clip_by_global_norm``
@@ -62,12 +66,26 @@ def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None, dense=Fa
         train = opt.apply_gradients(list(zip(grads, variables)), step)
     else:
         import gradaccum
-        opt = gradaccum.GradientAccumulator(opt, k, skip_nonfinite=skip_nonfinite, clip_norm=clip_norm)
+        opt = gradaccum.GradientAccumulator(opt, k, skip_nonfinite=skip_nonfinite, clip_norm=clip_norm,
+                                            statistics=statistics)
         train = opt.minimize(loss, step, weight=n)
     return dict(x=x, ids=ids, y=y, loss=loss, train=train, variables=v, step=step, opt=opt)
 
 
 CLIP_NORM = 0.05  # "adamclip": Adam after clip_norm, which binds on every window here
+
+
+# "-adaptive": the targets' offset, which the model learns over the windows: the mean
+# gradient shrinks, the noise scale grows, and the policy's k with it.
+OFFSET = 3.0
+
+
+def policy():
+    """The ``-adaptive`` runs' policy: its k moves between 2 and 6 on this problem (no threshold)."""
+    import gradaccum
+
+    return gradaccum.AdaptiveBatch(micro_batch_size=4, factor=10.0, min_micro_batches=2,
+                                   max_micro_batches=6, threshold=0.0, rule="sgd")
 
 
 def optimizer(tf, name):
@@ -90,9 +108,9 @@ def windows(shares, count, empty=None, nan=None):
     return out, [w for w in (empty, nan) if w is not None]
 
 
-def feed(graph, points, nan=False):
+def feed(graph, points, nan=False, offset=0.0):
     x, ids, y = data()
-    values = y[points].copy()
+    values = y[points] + offset
     if nan and len(values):
         values[0, 0] = np.nan
     return {graph["x"]: x[points], graph["ids"]: ids[points], graph["y"]: values}
@@ -126,7 +144,12 @@ def _run(tf, args, config, server, run, after_training):
             return gradaccum.ShardedAllReduce(opt, config, shard_cache=engine == "stage2", **kwargs)
     with tf.Graph().as_default() as g:
         graph = build(tf, lambda: make(optimizer(tf, opt_name), config, timeout_seconds=60),
-                      clip_norm=CLIP_NORM if opt_name == "adamclip" else None, dense=args.dense)
+                      k=policy() if opt_name == "adaptive" else K,
+                      clip_norm=CLIP_NORM if opt_name == "adamclip" else None, dense=args.dense,
+                      statistics=opt_name == "adamstats")
+        stats = graph["opt"].statistics.variables if opt_name in ("adamstats", "adaptive") else []
+        stats = dict((v.op.name.rsplit("/", 1)[1], v) for v in stats)
+        window_size = graph["opt"].windows[-1].size
         broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
         init = tf.compat.v1.global_variables_initializer()
         saver = tf.compat.v1.train.Saver(max_to_keep=10)
@@ -143,12 +166,18 @@ def _run(tf, args, config, server, run, after_training):
             sess.run(init)
             sess.run(broadcast)
         first = int(sess.run(graph["step"])) if args.checkpoint_dir else 0
+        sizes, trace = [], []
         for w in range(first, args.windows):
-            for i, points in enumerate(plan[w][rank]):
+            sizes.append(int(sess.run(window_size)))
+            parts = plan[w][rank]
+            if opt_name == "adaptive":
+                parts = np.array_split(np.concatenate(parts), sizes[-1])
+            for i, points in enumerate(parts):
                 if w == args.kill_at and i == 1 and rank == size - 1:
                     os.kill(os.getpid(), signal.SIGKILL)
-                sess.run(graph["train"], feed(graph, points, nan=(w == args.nan_window and rank == size - 1
-                                                                  and i == 0)))
+                nan = w == args.nan_window and rank == size - 1 and i == 0
+                sess.run(graph["train"], feed(graph, points, nan, offset=OFFSET if opt_name == "adaptive" else 0.0))
+            trace.append(sess.run(stats) if stats else {})
             step = int(sess.run(graph["step"]))
             if args.checkpoint_dir and (step % args.checkpoint_every == 0 or w == args.windows - 1):
                 saver.save(sess, os.path.join(consolidate.shard_directory(args.checkpoint_dir, config),
@@ -162,7 +191,8 @@ def _run(tf, args, config, server, run, after_training):
                  skipped=sess.run(skipped), held_names=np.array(sorted(held)),
                  held_bytes=np.array([held[n] for n in sorted(held)]),
                  owner_names=np.array(sorted(owners)), owner_ranks=np.array([owners[n] for n in sorted(owners)]),
-                 broadcasts=getattr(reducer, "broadcasts_per_update", 0), **values)
+                 broadcasts=getattr(reducer, "broadcasts_per_update", 0), sizes=np.array(sizes),
+                 **dict(values, **dict(("stats_" + name, np.array([t[name] for t in trace])) for name in stats)))
 
 
 def main(argv=None):

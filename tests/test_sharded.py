@@ -2,7 +2,9 @@
 
 Stage 2 (``shard_cache=True``) runs the same jobs on the model with a dense
 embedding lookup (it refuses sparse gradients), and its refusals are checked
-by message.
+by message. Its statistics (after every window) and AdaptiveBatch's window
+sizes are compared with the unsharded engine's in the same processes, and
+what an observer's hooks get in stage 2 is checked on the graph.
 
 The single-process tests check the partition rule, one process (P = 1), the
 errors, the graph a worker of two builds (slots, broadcasts, their order and
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 import gradaccum
-from gradaccum import consolidate, sharded
+from gradaccum import consolidate, observers, sharded
 from gradaccum._compat import BROADCAST_FROM_ANY_TASK, loss_scale_optimizer_types, tf, v1_control_flow
 from test_collective import _ancestors, _config
 from test_distributed import _env
@@ -107,10 +109,8 @@ def _stage2_graph(rank=0, workers=2, dense=True, **accumulator):
 @pytest.mark.parametrize("case, message", [
     (dict(dense=False), r"^ShardedAllReduce\(shard_cache=True\) needs dense gradients: the gradient of 'emb' is "
                         r"sparse \(tf.IndexedSlices"),
-    (dict(statistics=True), r"^ShardedAllReduce sums each micro-batch over the workers and caches a share of the "
-                            r"gradient \(shard_cache=True\): it cannot be combined with statistics, an adaptive "
-                            r"policy or observers, which need"),
-    (dict(loss_scaling=True), r"it cannot be combined with loss scaling, which need"),
+    (dict(loss_scaling=True), r"^ShardedAllReduce sums each micro-batch over the workers and caches a share of the "
+                              r"gradient \(shard_cache=True\): it cannot be combined with loss scaling, which need"),
     (dict(skip_nonfinite=True), r"^ShardedAllReduce\(shard_cache=True\) needs every worker to own a variable: 2 "
                                 r"variables with gradients over `config`'s 3 workers leave rank 2 none$"),
 ])
@@ -120,6 +120,45 @@ def test_stage2_refuses_what_needs_the_whole_micro_batch_gradient(case, message)
         _stage2_graph(workers=workers, **case)
     with pytest.raises(TypeError, match=r"^`shard_cache` must be a bool, got 'yes'$"):
         gradaccum.ShardedAllReduce(child.optimizer(tf, "sgd"), None, shard_cache="yes")
+
+
+class _Seen(gradaccum.WindowObserver):
+    """Keeps what the window hands its hooks while the train op is built."""
+
+    def __init__(self):
+        self.micro_batches, self.updates = [], []
+
+    def added(self, micro_batch):
+        self.micro_batches.append(micro_batch)
+        return []
+
+    def applying(self, update):
+        self.updates.append(update)
+        return []
+
+
+def test_a_stage2_observer_sees_local_micro_batches_and_the_whole_squared_norm_with_its_share():
+    shares = []
+    for rank in (0, 1):
+        seen = _Seen()
+        graph, reducer = _stage2_graph(rank, statistics=True, observers=[seen])
+        (micro_batch,), (update,) = seen.micro_batches, seen.updates
+        # added: this worker's own gradients of every variable, before the all-reduce.
+        assert sorted(v.op.name for _, v in micro_batch.grads_and_vars) == ["b", "w"]
+        reduces = [op for op in graph.get_operations() if op.type == "CollectiveReduce"]
+        micro = [op for op in reduces if "_micro_batch/" in op.name]
+        assert len(micro) == 1 and not any(micro[0] in _ancestors(g.op) for g, _ in micro_batch.grads_and_vars)
+        # applying: the owned share, and the whole window's squared norm, from the window's exchange.
+        share = sorted(v.op.name for _, v in update.grads_and_vars)
+        assert share == sorted(n for n, r in reducer.owners.items() if r == rank) and len(share) == 1
+        shares.extend(share)
+        assert update.sq_norm is not None and update.sq_norm.shape.ndims == 0
+        window = [op for op in reduces if "_reduce/" in op.name]
+        assert len(window) == 1 and window[0] in _ancestors(update.sq_norm.op)
+        # weight, the statistics' 3 small-batch sums, the share's squared norm (no skip_nonfinite here)
+        assert window[0].inputs[0].shape.num_elements() == 5
+    assert sorted(shares) == ["b", "w"]
+    assert observers.WindowUpdate([], 1.0, [], []).sq_norm is None  # A user's 4-field update still builds.
 
 
 def test_a_stage2_worker_caches_its_own_variables_and_all_reduces_every_micro_batch():
@@ -419,3 +458,83 @@ def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continue
     for name in _NAMES:
         np.testing.assert_array_equal(restored[name], final[0][name], err_msg=name)
         np.testing.assert_allclose(continued[name], want8[name], err_msg=name, **_TOL)
+
+
+_OBSERVED_RUNS = ["stage2-adamstats", "collective-adamstats", "stage2-adaptive", "collective-adaptive"]
+
+
+@pytest.fixture(scope="module")
+def observed_job(tmp_path_factory):
+    """A function ``shares -> {run: [worker's npz values, ...]}`` that runs each job once per module.
+
+    Adam with statistics, stage 2 then unsharded, in the same processes; on
+    two workers SGD under AdaptiveBatch too. Six windows, window 1 of zero
+    weight and window 3 with a NaN (both skipped).
+    """
+    done = {}
+
+    def run(shares):
+        if tuple(shares) not in done:
+            runs = _OBSERVED_RUNS if len(shares) == 2 else _OBSERVED_RUNS[:2]
+            out = str(tmp_path_factory.mktemp("observed") / "run")
+            results = _run_job(len(shares), ["--runs", ",".join(runs), "--shares", ",".join(map(str, shares)),
+                                             "--windows", "6", "--empty-window", "1", "--nan-window", "3",
+                                             "--out", out, "--dense"])
+            assert [status for status, _, _ in results] == [0] * len(shares), [e[-2000:] for _, _, e in results]
+            done[tuple(shares)] = dict((name, [_load(out, name, rank) for rank in range(len(shares))])
+                                       for name in runs)
+        return done[tuple(shares)]
+
+    return run
+
+
+def _statistics_of(values):
+    """The statistics after every window, by name, and the noise scale they give."""
+    stats = dict((name[len("stats_"):], value) for name, value in values.items() if name.startswith("stats_"))
+    stats["noise_scale"] = stats["ema_noise_trace"] / stats["ema_gradient_sq"]
+    return stats
+
+
+def _assert_stage2_equals_unsharded(stage2, unsharded):
+    """Every worker's model and statistics, after every window: alike everywhere, the unsharded engine's to 1e-9."""
+    want = _statistics_of(unsharded[0])
+    assert sorted(want) == sorted(["noise_scale", "windows"] + list(gradaccum.statistics._WINDOW)
+                                  + list(gradaccum.statistics._LAST) + list(gradaccum.statistics._SMOOTHED))
+    for workers in (stage2, unsharded):
+        first = _statistics_of(workers[0])
+        for got in workers:
+            stats = _statistics_of(got)
+            assert (int(got["step"]), int(got["skipped"])) == (4, 2)
+            for name in want:
+                np.testing.assert_allclose(stats[name], want[name], err_msg=name, **_TOL)
+                np.testing.assert_array_equal(stats[name], first[name], err_msg=name)
+            for name in _NAMES:
+                np.testing.assert_allclose(got[name], unsharded[0][name], err_msg=name, **_TOL)
+                np.testing.assert_array_equal(got[name], workers[0][name], err_msg=name)
+    return want
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("shares", [[9, 15], [5, 12, 7]])
+def test_stage2_statistics_equal_the_unsharded_engines_on_every_worker(shares, observed_job):
+    runs = observed_job(shares)
+    want = _assert_stage2_equals_unsharded(runs["stage2-adamstats"], runs["collective-adamstats"])
+    # Every applied window gave an estimate; the skipped ones (1, 3) changed nothing.
+    np.testing.assert_array_equal(want["windows"], [1, 1, 2, 2, 3, 4])
+    assert np.all(want["last_big_sq_norm"] > 0) and np.all(want["last_small_sq_norm"] > want["last_big_sq_norm"])
+    np.testing.assert_array_equal(want["last_window_weight"], sum(shares))
+    reference_adam = reference("adam", shares, 6, empty=1, nan=3, dense=True)
+    for name in _NAMES:  # Statistics change no update.
+        np.testing.assert_allclose(runs["stage2-adamstats"][0][name], reference_adam[name], err_msg=name, **_TOL)
+
+
+@pytest.mark.distributed
+def test_stage2_adaptive_batch_chooses_the_unsharded_engines_window_sizes_on_every_worker(observed_job):
+    runs = observed_job([9, 15])
+    stage2, unsharded = runs["stage2-adaptive"], runs["collective-adaptive"]
+    sizes = unsharded[0]["sizes"].tolist()
+    assert sizes == [2, 3, 3, 6, 6, 6]  # The policy moved k twice; the skipped windows 1 and 3 kept it.
+    for values in stage2 + unsharded:
+        assert values["sizes"].tolist() == sizes
+    want = _assert_stage2_equals_unsharded(stage2, unsharded)
+    assert np.all(want["noise_scale"] > 0)
