@@ -88,6 +88,10 @@ def test_bad_combinations_are_one_clear_line():
         opt = gradaccum.ShardedAllReduce(sgd, _config(2))
         with pytest.raises(ValueError, match=r"broadcasts every trained variable: dtypes .*, got 'flag' of int16"):
             opt.apply_reduced([(tf.constant(1, tf.int16), flag)])
+    with pytest.raises(ValueError, match=r"^`loss_scaling` must not be True with ShardedAllReduce: each worker "
+                                         r"applies the wrapped optimizer to its own variables only, so a loss-scale "
+                                         r"optimizer would test its own share for overflow"):
+        gradaccum.GradientAccumulator(gradaccum.ShardedAllReduce(sgd, None), 2, loss_scaling=True)
 
 
 def _stage2_graph(rank=0, workers=2, dense=True, **accumulator):
@@ -109,8 +113,8 @@ def _stage2_graph(rank=0, workers=2, dense=True, **accumulator):
 @pytest.mark.parametrize("case, message", [
     (dict(dense=False), r"^ShardedAllReduce\(shard_cache=True\) needs dense gradients: the gradient of 'emb' is "
                         r"sparse \(tf.IndexedSlices"),
-    (dict(loss_scaling=True), r"^ShardedAllReduce sums each micro-batch over the workers and caches a share of the "
-                              r"gradient \(shard_cache=True\): it cannot be combined with loss scaling, which need"),
+    (dict(loss_scaling=True), r"^`loss_scaling` must not be True with ShardedAllReduce: each worker applies the "
+                              r"wrapped optimizer to its own variables only, .* use skip_nonfinite=True$"),
     (dict(skip_nonfinite=True), r"^ShardedAllReduce\(shard_cache=True\) needs every worker to own a variable: 2 "
                                 r"variables with gradients over `config`'s 3 workers leave rank 2 none$"),
 ])
@@ -120,6 +124,26 @@ def test_stage2_refuses_what_needs_the_whole_micro_batch_gradient(case, message)
         _stage2_graph(workers=workers, **case)
     with pytest.raises(TypeError, match=r"^`shard_cache` must be a bool, got 'yes'$"):
         gradaccum.ShardedAllReduce(child.optimizer(tf, "sgd"), None, shard_cache="yes")
+
+
+class _CachesItsShare(gradaccum.Reducer):
+    """A user's reducer that sums each micro-batch itself (here: one worker, so the sum is its own)."""
+
+    def reduce_micro_batch(self, grads_and_vars, weight):
+        return [(g * tf.cast(weight, g.dtype), v) for g, v in grads_and_vars]
+
+
+def test_the_window_refuses_loss_scaling_with_any_reducer_that_caches_a_share():
+    with tf.Graph().as_default(), v1_control_flow():
+        x = tf.compat.v1.placeholder(tf.float64, [None, 3])
+        w = tf.compat.v1.get_variable("w", initializer=np.ones([3, 1]))
+        opt = gradaccum.GradientAccumulator(_CachesItsShare(child.optimizer(tf, "sgd"), "mine"), 3,
+                                            loss_scaling=True)
+        with pytest.raises(ValueError, match=r"^_CachesItsShare sums each micro-batch over the workers and caches a "
+                                             r"share of the gradient \(shard_cache=True\): it cannot be combined "
+                                             r"with loss scaling, which need"):
+            opt.minimize(tf.reduce_sum(tf.matmul(x, w)), weight=tf.shape(x)[0])
+
 
 
 class _Seen(gradaccum.WindowObserver):
