@@ -40,7 +40,9 @@ trained variable by name), for a window scoped ``<scope>``:
   when its first micro-batch arrives;
 * ``<scope>/sparse_sq_norm``: only with ``clip_norm`` and a sparse gradient:
   ``sum_i w_i^2 |values_i|^2`` of the window's sparse rows, so that the clip
-  measures the norm ``tf.clip_by_global_norm`` measures on the full batch;
+  measures the norm ``tf.clip_by_global_norm`` measures on the full batch
+  (always of this worker's own gradients, also when a reducer caches sums
+  over the workers: it is summed over them at the window's end);
 * ``<scope>/skipped_windows`` (int64): windows not applied because their
   total weight was zero, or their sum was not finite;
 * whatever the observers made by the accumulator create
@@ -286,11 +288,14 @@ def _build_window(config, pairs, step):
     outer_scope = graph.get_name_scope()
     var_scope = tf.compat.v1.get_variable_scope()
     with tf.compat.v1.name_scope(config.name) as scope:
+        # This worker's own gradients and the weight they still need: what
+        # the sparse clip norm measures, also when a reducer caches its sums.
+        local = (pairs, None if step.weighted_grads else step.weight)
         cached, step, sharded = _reduce_micro_batch(config, pairs, step)
         state = _create_state(config, cached, step, pairs, sharded)
         end = _End(config, state, step.global_step, outer_scope)
         with tf.control_dependencies(step.update_ops):
-            accumulate = _accumulate(config, state, cached, step)
+            accumulate = _accumulate(config, state, cached, step, local)
             with tf.control_dependencies([accumulate]):
                 limit = config.size.k if state.size is None else state.size.read_value()
                 due = tf.greater_equal(state.micro_step.read_value(), limit, name="window_full")
@@ -323,7 +328,7 @@ def _create_state(config, pairs, step, every_pair, sharded):
         weight_sum = state_variable("weight_sum", [], sum_dtype, first)
         size = None if config.size.k is not None else state_variable("window_size", [], tf.int64, first)
         sparse_sq = None
-        if config.clip_norm is not None and _has_sparse(pairs):
+        if config.clip_norm is not None and _has_sparse(every_pair):  # Sharded: a share may hold none.
             sparse_sq = state_variable("sparse_sq_norm", [], sum_dtype, first)
         skipped = state_variable("skipped_windows", [], tf.int64, first)
         made = _make_observers(config, pairs, sum_dtype)
@@ -390,8 +395,13 @@ def _reduce_micro_batch(config, pairs, step):
     return list(cached), step._replace(weighted_grads=True), True
 
 
-def _accumulate(config, state, pairs, step):
-    """Adds one micro-batch: gradients times weight (unless already), the weight, the count."""
+def _accumulate(config, state, pairs, step, local):
+    """Adds one micro-batch: gradients times weight (unless already), the weight, the count.
+
+    ``local`` is ``(pairs, weight)``: this worker's own gradients and the
+    weight they still need, from which the sparse clip norm is measured
+    (the reducer's sums in ``pairs`` hold each row once, summed).
+    """
     weight = step.weight
     with tf.compat.v1.name_scope("accumulate"):
         grad_weight = None if step.weighted_grads else weight
@@ -403,9 +413,9 @@ def _accumulate(config, state, pairs, step):
             if slot.touched is not None:
                 adds.extend(_add_sparse(slot, grad, grad_weight))
         if state.sparse_sq is not None:
-            grads = [grad for (grad, _), slot in zip(pairs, state.slots) if slot.touched is not None]
-            adds.append(state.sparse_sq.assign_add(
-                _sparse_sq_norm(grads, grad_weight, state.sparse_sq.dtype.base_dtype), read_value=False))
+            local_pairs, local_weight = local
+            norm = _sparse_sq_norm([grad for grad, _ in local_pairs], local_weight, state.sparse_sq.dtype.base_dtype)
+            adds.append(state.sparse_sq.assign_add(norm, read_value=False))
         added = 1.0 if weight is None else tf.cast(weight, state.weight_sum.dtype.base_dtype)
         # A constant weight depends on no input: without this, a run that fails
         # at its input (OutOfRangeError at the end of a tf.data loop) would
@@ -509,7 +519,7 @@ def _reduce(config, state, sums):
     reducer, sharded = config.reducer, state.sharded
     if reducer is None:  # Each observer reads its own sums.
         return sums, [[] for _ in state.observers]
-    own = [] if sums.sparse_sq is None else [sums.sparse_sq]
+    own = [] if sums.sparse_sq is None or sharded else [sums.sparse_sq]  # Sharded: in the share's norm.
     asked = [list(observer.extra_sums()) for observer in state.observers]
     flat = own + [value for values in asked for value in values]
     whole = _share_scalars(config, sums) if sharded else []
@@ -529,12 +539,20 @@ def _share_scalars(config, sums):
     """Of this worker's share of a sharded window: its squared norm, and 1 if it is not finite (else 0).
 
     Summed over the workers, they give the whole gradient's norm and
-    finiteness, so that every worker clips and skips alike.
+    finiteness, so that every worker clips and skips alike. The squared
+    norm of a share is that of its dense sums plus this worker's
+    ``sparse_sq_norm``: ``sum_i w_i^2 |values_i|^2`` of its own micro-batches'
+    rows of every sparse variable, owned or not. Summed over the workers,
+    that is what the unsharded engine measures (``_clip``); the share's
+    sparse sums are left out, as there: they hold each row once, summed.
     """
     dtype = sums.total.dtype.base_dtype
     scalars = []
     if config.clip_norm is not None:
-        scalars.append(tf.add_n(_squares([g for g, _ in sums.pairs], dtype)))
+        squares = _squares([g for g, _ in sums.pairs if not isinstance(g, tf.IndexedSlices)], dtype)
+        if sums.sparse_sq is not None:
+            squares.append(tf.cast(sums.sparse_sq, dtype))
+        scalars.append(tf.add_n(squares))
     if config.skip_nonfinite:
         scalars.append(tf.cast(tf.logical_not(all_finite(sums.pairs)), dtype))
     return scalars
