@@ -42,7 +42,9 @@ trained variable by name), for a window scoped ``<scope>``:
   when its first micro-batch arrives;
 * ``<scope>/sparse_sq_norm``: only with ``clip_norm`` and a sparse gradient:
   ``sum_i w_i^2 |values_i|^2`` of the window's sparse rows, so that the clip
-  measures the norm ``tf.clip_by_global_norm`` measures on the full batch;
+  measures the norm ``tf.clip_by_global_norm`` measures on the full batch
+  (always of this worker's own gradients, also when a reducer caches sums
+  over the workers: it is summed over them at the window's end);
 * ``<scope>/skipped_windows`` (int64): windows not applied because their
   total weight was zero, or their sum was not finite;
 * whatever the observers made by the accumulator create
@@ -90,11 +92,13 @@ _State = collections.namedtuple("_State", [
     "slots", "micro_step", "weight_sum", "size", "sparse_sq", "skipped", "observers", "made", "sharded"],
     defaults=[False])
 # A window's sums at its end: ``rows`` are the sparse caches' touched rows.
-# Sharded only: the whole gradient's squared norm (with ``clip_norm`` or
-# observers) and the workers' count of non-finite shares (with
-# ``skip_nonfinite``), summed over the workers.
-_Sums = collections.namedtuple("_Sums", ["pairs", "total", "sparse_sq", "rows", "sq_norm", "nonfinite"],
-                               defaults=[None, None])
+# Sharded only, summed over the workers: the whole gradient's squared norm
+# as clipping measures it (with ``clip_norm``), the workers' count of
+# non-finite shares (with ``skip_nonfinite``), and the summed gradient's
+# squared norm that observers read (with observers; ``sq_norm`` itself
+# unless a sparse gradient makes the two differ).
+_Sums = collections.namedtuple("_Sums", ["pairs", "total", "sparse_sq", "rows", "sq_norm", "nonfinite",
+                                         "observed_sq_norm"], defaults=[None, None, None])
 # What every end-of-window step needs: the config, the state, the step
 # variable, and the caller's name scope (where the wrapped optimizer builds).
 _End = collections.namedtuple("_End", ["config", "state", "global_step", "outer_scope"])
@@ -288,11 +292,14 @@ def _build_window(config, pairs, step):
     outer_scope = graph.get_name_scope()
     var_scope = tf.compat.v1.get_variable_scope()
     with tf.compat.v1.name_scope(config.name) as scope:
+        # This worker's own gradients and the weight they still need: what
+        # the sparse clip norm measures, also when a reducer caches its sums.
+        local = (pairs, None if step.weighted_grads else step.weight)
         cached, step, sharded = _reduce_micro_batch(config, pairs, step)
         state = _create_state(config, cached, step, pairs, sharded)
         end = _End(config, state, step.global_step, outer_scope)
         with tf.control_dependencies(step.update_ops):
-            accumulate = _accumulate(config, state, cached, step, pairs)
+            accumulate = _accumulate(config, state, cached, step, local)
             with tf.control_dependencies([accumulate]):
                 limit = config.size.k if state.size is None else state.size.read_value()
                 due = tf.greater_equal(state.micro_step.read_value(), limit, name="window_full")
@@ -325,7 +332,7 @@ def _create_state(config, pairs, step, every_pair, sharded):
         weight_sum = state_variable("weight_sum", [], sum_dtype, first)
         size = None if config.size.k is not None else state_variable("window_size", [], tf.int64, first)
         sparse_sq = None
-        if config.clip_norm is not None and _has_sparse(pairs):
+        if config.clip_norm is not None and _has_sparse(every_pair):  # Sharded: a share may hold none.
             sparse_sq = state_variable("sparse_sq_norm", [], sum_dtype, first)
         skipped = state_variable("skipped_windows", [], tf.int64, first)
         # Every pair, not the cached share: observers see the whole model.
@@ -396,11 +403,13 @@ def _reduce_micro_batch(config, pairs, step):
 def _accumulate(config, state, pairs, step, local):
     """Adds one micro-batch: gradients times weight (unless already), the weight, the count.
 
-    ``local`` are this worker's own pairs, which the observers see: ``pairs``
-    itself, or (sharded) the pairs before the reducer summed them over the
-    workers, so that observers see what they see without sharding.
+    ``local`` is ``(pairs, weight)``: this worker's own gradients and the
+    weight they still need. The observers see them (sharded: before the
+    reducer summed them over the workers, as without sharding), and the
+    sparse clip norm is measured from them (the reducer's sums in ``pairs``
+    hold each row once, summed).
     """
-    weight = step.weight
+    weight, (local_pairs, local_weight) = step.weight, local
     with tf.compat.v1.name_scope("accumulate"):
         grad_weight = None if step.weighted_grads else weight
         dense = [(grad, slot) for (grad, _), slot in zip(pairs, state.slots) if slot.touched is None]
@@ -411,16 +420,15 @@ def _accumulate(config, state, pairs, step, local):
             if slot.touched is not None:
                 adds.extend(_add_sparse(slot, grad, grad_weight))
         if state.sparse_sq is not None:
-            grads = [grad for (grad, _), slot in zip(pairs, state.slots) if slot.touched is not None]
-            adds.append(state.sparse_sq.assign_add(
-                _sparse_sq_norm(grads, grad_weight, state.sparse_sq.dtype.base_dtype), read_value=False))
+            norm = _sparse_sq_norm([grad for grad, _ in local_pairs], local_weight, state.sparse_sq.dtype.base_dtype)
+            adds.append(state.sparse_sq.assign_add(norm, read_value=False))
         added = 1.0 if weight is None else tf.cast(weight, state.weight_sum.dtype.base_dtype)
         # A constant weight depends on no input: without this, a run that fails
         # at its input (OutOfRangeError at the end of a tf.data loop) would
         # still count one micro-batch.
         with tf.control_dependencies(list(adds)):
             adds.append(state.weight_sum.assign_add(added))
-        adds.extend(_notify(state.observers, "added", MicroBatch(local, weight, step.small_batches)))
+        adds.extend(_notify(state.observers, "added", MicroBatch(local_pairs, weight, step.small_batches)))
         with tf.control_dependencies(adds):
             # The counter moves last, so reading it orders after every addition.
             return tf.group(state.micro_step.assign_add(1), name="accumulate")
@@ -518,7 +526,7 @@ def _reduce(config, state, sums):
     reducer, sharded = config.reducer, state.sharded
     if reducer is None:  # Each observer reads its own sums.
         return sums, [[] for _ in state.observers]
-    own = [] if sums.sparse_sq is None else [sums.sparse_sq]
+    own = [] if sums.sparse_sq is None or sharded else [sums.sparse_sq]  # Sharded: in the share's norm.
     asked = [list(observer.extra_sums()) for observer in state.observers]
     flat = own + [value for values in asked for value in values]
     whole = _share_scalars(config, state, sums) if sharded else []
@@ -529,9 +537,13 @@ def _reduce(config, state, sums):
     for values in asked:
         extras.append(list(flat[position:position + len(values)]))
         position += len(values)
-    sq_norm = flat[position] if sharded and _needs_sq_norm(config, state) else None
-    nonfinite = flat[-1] if sharded and config.skip_nonfinite else None
-    return _Sums(pairs, total, sparse_sq, sums.rows, sq_norm, nonfinite), extras
+    sq_norm = observed = nonfinite = None
+    if sharded:  # In _share_scalars' order.
+        whole = iter(flat[position:])
+        sq_norm = next(whole) if config.clip_norm is not None else None
+        observed = next(whole) if _observed_apart(config, state, sums) else sq_norm
+        nonfinite = next(whole) if config.skip_nonfinite else None
+    return _Sums(pairs, total, sparse_sq, sums.rows, sq_norm, nonfinite, observed), extras
 
 
 def _share_scalars(config, state, sums):
@@ -539,31 +551,54 @@ def _share_scalars(config, state, sums):
 
     Summed over the workers, they give the whole gradient's norm and
     finiteness, so that every worker clips, skips and observes alike.
+
+    The clip norm of a share is that of its dense sums plus this worker's
+    ``sparse_sq_norm``: ``sum_i w_i^2 |values_i|^2`` of its own micro-batches'
+    rows of every sparse variable, owned or not. Summed over the workers,
+    that is what the unsharded engine measures (``_clip``); the share's
+    sparse sums are left out, as there: they hold each row once, summed.
+    The observers' norm is the summed gradient's, sparse sums included; it
+    is a scalar of its own only when the two differ (a sparse gradient).
     """
     dtype = sums.total.dtype.base_dtype
     scalars = []
-    if _needs_sq_norm(config, state):
-        scalars.append(tf.add_n(_squares([g for g, _ in sums.pairs], dtype)))
+    if config.clip_norm is not None:
+        squares = _squares([g for g, _ in sums.pairs if not isinstance(g, tf.IndexedSlices)], dtype)
+        if sums.sparse_sq is not None:
+            squares.append(tf.cast(sums.sparse_sq, dtype))
+        scalars.append(tf.add_n(squares))
+    if _observed_apart(config, state, sums):
+        scalars.append(tf.add_n(_squares([_values(g) for g, _ in sums.pairs], dtype)))
     if config.skip_nonfinite:
         scalars.append(tf.cast(tf.logical_not(all_finite(sums.pairs)), dtype))
     return scalars
 
 
-def _needs_sq_norm(config, state):
-    """Sharded: whether the whole window's squared norm is reduced (to clip, or for the observers)."""
-    return config.clip_norm is not None or bool(state.observers)
+def _observed_apart(config, state, sums):
+    """Sharded: whether the observers need a squared norm other than the clip norm's.
+
+    They need the summed gradient's; clipping measures sparse rows as given
+    (``sparse_sq_norm``, which exists on every worker when any gradient is
+    sparse). Without clipping, or without a sparse gradient, one serves both.
+    """
+    return bool(state.observers) and (config.clip_norm is None or sums.sparse_sq is not None)
+
+
+def _values(grad):
+    """The rows of a sparse sum (each row once), or the dense sum."""
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
 def _averaged_sq_norm(sums):
-    """Sharded: the averaged whole gradient's squared norm, ``sq_norm / total^2``; else ``None``.
+    """Sharded: the averaged whole gradient's squared norm, ``observed_sq_norm / total^2``; else ``None``.
 
     The observers get it in ``WindowUpdate.sq_norm``: their averaged pairs
     are this worker's share only.
     """
-    if sums.sq_norm is None:
+    if sums.observed_sq_norm is None:
         return None
-    total = tf.cast(sums.total, sums.sq_norm.dtype.base_dtype)
-    return tf.math.truediv(sums.sq_norm, total * total, name="averaged_sq_norm")
+    total = tf.cast(sums.total, sums.observed_sq_norm.dtype.base_dtype)
+    return tf.math.truediv(sums.observed_sq_norm, total * total, name="averaged_sq_norm")
 
 
 # Decide skip: the two predicates, both on the reduced window, so that every

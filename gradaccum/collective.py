@@ -151,6 +151,39 @@ def _packed(tensors, buffer_bytes, exchange):
     return results, count
 
 
+def _to_wire(sums_and_vars):
+    """The tensors that carry ``sums_and_vars`` in an all-reduce, and how many carry each pair.
+
+    A dense sum travels as it is (1 tensor); an ``IndexedSlices`` one
+    densified to its variable's shape, with one touched flag per row (2), so
+    that :func:`_from_wire` makes it sparse again over the rows any worker
+    touched.
+
+    Raises:
+      ValueError: for a gradient or variable without a fully defined shape.
+    """
+    flat, widths = [], []
+    for grad, var in sums_and_vars:
+        if isinstance(grad, tf.IndexedSlices):
+            _check_static(var, "variable %r" % var.op.name)
+            flat.extend(densified(grad, var))
+            widths.append(2)
+        else:
+            flat.append(_check_static(tf.convert_to_tensor(grad), "the gradient of %r" % var.op.name))
+            widths.append(1)
+    return flat, widths
+
+
+def _from_wire(reduced, sums_and_vars, widths):
+    """The ``(sum, variable)`` pairs again from their reduced tensors (the first ``sum(widths)``)."""
+    out, position = [], 0
+    for (_, var), width in zip(sums_and_vars, widths):
+        part = reduced[position:position + width]
+        out.append((part[0] if width == 1 else sparse_again(part[0], part[1], var), var))
+        position += width
+    return out
+
+
 def _check_static(tensor, what):
     if not tensor.shape.is_fully_defined():
         raise ValueError("collective reduction needs fully defined shapes: %s has shape %s" % (what, tensor.shape))
@@ -323,25 +356,13 @@ class CollectiveAllReduce(Reducer):
         if self._size == 1:
             return list(sums_and_vars), total, list(extras)
         with tf.compat.v1.name_scope(self._name + "_reduce"):
-            flat, layout = [], []
-            for grad, var in sums_and_vars:
-                if isinstance(grad, tf.IndexedSlices):
-                    _check_static(var, "variable %r" % var.op.name)
-                    flat.extend(densified(grad, var))
-                    layout.append(2)
-                else:
-                    flat.append(_check_static(tf.convert_to_tensor(grad), "the gradient of %r" % var.op.name))
-                    layout.append(1)
+            flat, widths = _to_wire(sums_and_vars)
             flat.extend(tf.reshape(value, []) for value in extras)
             flat.append(tf.reshape(total, []))
             self._bytes = 0
             reduced, self._all_reduces = _packed(flat, self._buffer_bytes, self._all_reduce)
-        out, position = [], 0
-        for (grad, var), width in zip(sums_and_vars, layout):
-            part = reduced[position:position + width]
-            out.append((part[0] if width == 1 else sparse_again(part[0], part[1], var), var))
-            position += width
-        return out, reduced[-1], list(reduced[position:-1])
+        out = _from_wire(reduced, sums_and_vars, widths)
+        return out, reduced[-1], list(reduced[sum(widths):-1])
 
     def reduce_window(self, sums_and_vars, weight):
         """:meth:`reduce` without extra scalars: ``(reduced_sums_and_vars, reduced_weight)``.

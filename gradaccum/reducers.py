@@ -106,7 +106,8 @@ class Reducer(WrappingOptimizer):
           Or a non-empty list of ``(sum, variable)``: ``weight * gradient``
           summed over every worker, for the variables this worker keeps a
           cache of; the window caches these only and passes :meth:`reduce`
-          no pairs.
+          no pairs. A sum may be an ``IndexedSlices``: the window caches
+          its rows and flags them touched, as for a sparse gradient.
 
         Example:
           >>> reducer.reduce_micro_batch(pairs, tf.shape(x)[0]) is None

@@ -12,28 +12,35 @@ and dtype, packed as the all-reduce packs (split above ``buffer_bytes``).
 The window's reduction is the unsharded engine's, unchanged: an all-reduce
 of every sum, so that every worker holds the whole reduced gradient and
 takes every whole-gradient decision alike (zero-weight and non-finite skip,
-``clip_norm``, the noise-scale statistics, the adaptive policy). Stage 1 uses
-it on every TF version: a reduce-scatter would leave each worker with its
-own variables' sums only, and the window would then need a second, scalar
-reduction after it for those decisions, a change of the reducer protocol
-(stage 2). Bytes on the wire per update and worker: the all-reduce's
-``2 (P - 1) / P`` times the gradient bytes, plus the broadcasts, about
-``(P - 1) / P`` times the model bytes; a reduce-scatter with an all-gather
-would send ``2 (P - 1) / P`` in all.
+``clip_norm``, the noise-scale statistics, the adaptive policy). Both
+stages use an all-reduce on every TF version: TF 1.15 has no reduce-scatter,
+and TF 2.15's and 2.21's ``CollectiveReduceScatterV2`` does not run on the
+CPU devices these collectives use ("Failed to get CollectiveExecutor", TF1
+behaviour; "did not find collective implementation", TF2 behaviour;
+``benchmarks/sharded.py --collectives`` tries it). Bytes on the wire per
+update and worker: the all-reduce's ``2 (P - 1) / P`` times the gradient
+bytes, plus the broadcasts, about ``(P - 1) / P`` times the model bytes; a
+reduce-scatter with an all-gather would send ``2 (P - 1) / P`` in all.
 
 Stage 2 (``shard_cache=True``): :meth:`~ShardedAllReduce.reduce_micro_batch`
-all-reduces each micro-batch's weighted gradient when it is added (on every
-TF version: all-reduce, then each worker keeps its own variables' sums; no
-reduce-scatter) and hands the window the owned sums only, so the window
+all-reduces each micro-batch's weighted gradient when it is added (then
+each worker keeps its own variables' sums) and hands the window the owned sums only, so the window
 caches those only; at the window's end :meth:`~gradaccum.Reducer.reduce` gets no gradient,
 only the weight and the whole-gradient scalars (squared norm, non-finite
 count) that every worker decides from. Bytes on the wire per update: k
-times the all-reduce's, plus the broadcasts. Refused: sparse gradients,
-fewer variables than workers (here), and window batch norm and loss
-scaling (by the window). Statistics, AdaptiveBatch and observers work, with
-the unsharded numbers: observers see each worker's own micro-batches and,
-at the window's end, its share with the whole gradient's squared norm
-(``WindowUpdate.sq_norm``, :mod:`gradaccum.observers`).
+times the all-reduce's, plus the broadcasts. A sparse (``IndexedSlices``)
+gradient travels as the unsharded engine's does, densified to its
+variable's shape plus one flag per row, but on every micro-batch: its owner
+gets an ``IndexedSlices`` of the rows any worker touched, caches it sparse
+and applies it sparse; ``clip_norm`` measures its rows as given, from each
+worker's own micro-batches (the window's ``sparse_sq_norm``, summed over the
+workers at the end with the other scalars). Statistics, AdaptiveBatch and
+observers work, with the unsharded numbers: observers see each worker's own
+micro-batches and, at the window's end, its share with the whole gradient's
+squared norm (``WindowUpdate.sq_norm``, :mod:`gradaccum.observers`).
+Refused: fewer variables than workers (here), and window batch norm and
+loss scaling (by the window; loss scaling already when the accumulator is
+constructed).
 
 Variables: the wrapped optimizer's slots, for the owned variables only, and
 its non-slot variables (Adam's ``beta1_power`` and ``beta2_power``, once per
@@ -42,9 +49,10 @@ graph) on a worker that owns at least one variable; the first-run flag of
 collection is added to. ``global_step`` is incremented once per applied
 update on every worker, after the broadcasts (the wrapped optimizer is not
 given it), so a schedule that reads it sees the same step everywhere.
-With ``shard_cache=True`` the accumulator's caches (``<var>/<scope>``) exist
-for the owned variables only; its counters (``micro_step``, ``weight_sum``,
-``skipped_windows``) on every worker.
+With ``shard_cache=True`` the accumulator's caches (``<var>/<scope>``, and
+``<var>/<scope>_touched`` of a sparse one) exist for the owned variables
+only; its counters (``micro_step``, ``weight_sum``, ``skipped_windows``, and
+``sparse_sq_norm`` with ``clip_norm`` and a sparse gradient) on every worker.
 
 Checkpoints: see :mod:`gradaccum.consolidate` (each worker saves its own
 shard under ``<dir>/shard-<rank>-of-<P>/``).
@@ -54,7 +62,7 @@ from gradaccum._compat import BROADCAST_FROM_ANY_TASK, collective_broadcast_from
 from gradaccum._gradients import weighted
 from gradaccum._wrapper import optimizer_chain
 from gradaccum.collective import (_BROADCAST_DTYPES, DEFAULT_BUFFER_BYTES, GROUP_KEY, CollectiveAllReduce,
-                                  _check_static, _device, _instance_keys, _packed)
+                                  _check_static, _device, _from_wire, _instance_keys, _packed, _to_wire)
 from gradaccum.reducers import Reducer
 
 
@@ -119,21 +127,14 @@ def _names(variables):
 
 
 def _at_least_float32(grad):
-    """Half-precision sums over workers would lose digits: sum in float32, as the window's cache does."""
+    """Half-precision sums over workers would lose digits: sum in float32, as the window's cache does.
+
+    An ``IndexedSlices`` stays one (its values cast).
+    """
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(_at_least_float32(grad.values), grad.indices, grad.dense_shape)
     grad = tf.convert_to_tensor(grad)
     return tf.cast(grad, tf.float32) if grad.dtype.base_dtype in (tf.float16, tf.bfloat16) else grad
-
-
-def _check_cacheable(pairs):
-    """Stage 2 refuses sparse gradients: summing them per micro-batch would densify them, silently."""
-    for grad, var in pairs:
-        if isinstance(grad, tf.IndexedSlices):
-            raise ValueError(
-                "ShardedAllReduce(shard_cache=True) needs dense gradients: the gradient of %r is sparse "
-                "(tf.IndexedSlices, from tf.gather or an embedding lookup); its exact sparse update and clip "
-                "norm need each worker's rows. Use shard_cache=False, or make the gradient dense" % var.op.name)
-        _check_static(tf.convert_to_tensor(grad), "the gradient of %r" % var.op.name)
-    _check_broadcastable([var for _, var in pairs])
 
 
 def _check_broadcastable(variables):
@@ -169,12 +170,14 @@ class ShardedAllReduce(CollectiveAllReduce):
       ``skip_nonfinite``), splitting one variable over workers.
     * ``shard_cache=True`` (stage 2) shards the accumulation cache too:
       ``4 + 12 / P`` bytes per parameter; k all-reduces per update instead
-      of one (:meth:`reduce_micro_batch`). It refuses sparse gradients,
-      window batch norm and loss scaling (statistics, AdaptiveBatch and
-      observers work: see :mod:`gradaccum.observers`). Towers inside
-      a worker are fine (the worker's optimizer state is not split further
-      over them). A sparse gradient (``tf.gather``) is densified for the
-      all-reduce, as by the unsharded engine, and applied sparse by its owner.
+      of one (:meth:`reduce_micro_batch`). It refuses window batch norm and
+      loss scaling (statistics, AdaptiveBatch and observers work: see
+      :mod:`gradaccum.observers`). Towers inside a worker are fine (the
+      worker's optimizer state is not split further over them).
+    * A sparse gradient (``tf.gather``) is densified for the all-reduce, as
+      by the unsharded engine (a dense copy of the variable plus a flag per
+      row; in stage 2 on every micro-batch), and applied sparse by its
+      owner, over the rows any worker touched.
 
     Args:
       optimizer: the ``tf.compat.v1.train.Optimizer`` that applies each
@@ -262,7 +265,14 @@ class ShardedAllReduce(CollectiveAllReduce):
         dtype, split above ``buffer_bytes``) and all-reduced, on every TF
         version; each worker keeps the sums of the variables it owns
         (:func:`partition_variables`), so the window caches those only.
-        Half-precision gradients are summed in float32.
+        Half-precision gradients are summed in float32. A sparse
+        (``IndexedSlices``) gradient travels densified, with one touched
+        flag per row, as in
+        :meth:`gradaccum.collective.CollectiveAllReduce.reduce`, and its sum
+        comes back as an ``IndexedSlices`` of the rows any worker touched in
+        this micro-batch (a zero weight or a zero sum still touches them), so
+        the window caches it sparse and its owner applies it over the union
+        of the window's rows, as the unsharded engine does.
 
         Args:
           grads_and_vars: list of ``(gradient, variable)`` of one micro-batch.
@@ -270,12 +280,12 @@ class ShardedAllReduce(CollectiveAllReduce):
 
         Returns:
           None without ``shard_cache`` or for one process; else the owned
-          ``(sum over workers, variable)`` pairs.
+          ``(sum over workers, variable)`` pairs (dense tensors or
+          ``IndexedSlices``, as the gradients).
 
         Raises:
-          ValueError: for a sparse (``IndexedSlices``) gradient, fewer
-            variables than workers, a variable of a dtype collectives cannot
-            carry, or a shape not fully defined.
+          ValueError: for fewer variables than workers, a variable of a dtype
+            collectives cannot carry, or a shape not fully defined.
 
         Example:
           >>> mine = reducer.reduce_micro_batch(pairs, tf.shape(x)[0])
@@ -284,19 +294,21 @@ class ShardedAllReduce(CollectiveAllReduce):
             return None
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         variables = [v for _, v in pairs]
-        _check_cacheable(pairs)
+        _check_broadcastable(variables)
         owners = partition_variables(variables, self._size)
         if set(owners) != set(range(self._size)):
             raise ValueError("ShardedAllReduce(shard_cache=True) needs every worker to own a variable: %d "
                              "variables with gradients over `config`'s %d workers leave rank %d none"
                              % (len(variables), self._size, min(set(range(self._size)) - set(owners))))
         with tf.compat.v1.name_scope(self._name + "_micro_batch"):
-            flat = [weighted(_at_least_float32(g), weight) for g, _ in pairs]
+            weighted_pairs = [(weighted(_at_least_float32(g), weight), v) for g, v in pairs]
+            flat, widths = _to_wire(weighted_pairs)
             self._micro_bytes = sum(t.shape.num_elements() * t.dtype.size for t in flat)
             before = self._bytes
             reduced, _ = _packed(flat, self._buffer_bytes, self._all_reduce)
             self._bytes = before
-        mine = [(summed, var) for summed, var, owner in zip(reduced, variables, owners) if owner == self._rank]
+            summed = _from_wire(reduced, weighted_pairs, widths)
+        mine = [pair for pair, owner in zip(summed, owners) if owner == self._rank]
         self._partitions[_names(var for _, var in mine)] = (variables, owners)
         return mine
 

@@ -6,18 +6,20 @@ trained on 24 fixed points. Worker r reads its own uneven share
 ``--empty-window`` feeds nothing anywhere (zero weight); window
 ``--nan-window`` puts a NaN into the last worker's first micro-batch (skipped
 with ``skip_nonfinite``). ``--runs`` lists ``engine-optimizer`` trainings
-(``sharded-adam``, ``sharded-adamclip`` with ``clip_norm``, ``collective-sgd``, ``stage2-adam`` for
-``shard_cache=True``, ``-adamstats`` for Adam with ``statistics=True``,
-``-adaptive`` for SGD under an ``AdaptiveBatch``, whose windows split the
-worker's points into the k micro-batches the policy asks for, ...), one
-graph each, in this one process; each writes ``<out>-<run>-worker<r>.npz``
-(with the statistics, ``stats_<name>``, after every window, and the
-window sizes, ``sizes``). With ``--checkpoint-dir``
-(one run), every worker saves its shard every ``--checkpoint-every`` steps
-and at the end, and restores its shard of the newest common step on start;
-``--kill-at W`` makes the last worker SIGKILL itself after the first
-micro-batch of window W. Imported by the tests for :func:`build` and
-:func:`windows` (the one-process reference).
+(``sharded-adam``, ``sharded-adamclip`` with ``clip_norm``,
+``collective-sgd``, ``stage2-adam`` for ``shard_cache=True``, ``-adamstats``
+for Adam with ``statistics=True`` (``-adamclipstats`` with ``clip_norm`` too), ``-adaptive`` for SGD under an
+``AdaptiveBatch``, whose windows split the worker's points into the k
+micro-batches the policy asks for, ...), one graph each, in this one
+process; each writes ``<out>-<run>-worker<r>.npz`` (the model, the Adam
+state this worker holds by :func:`slot_key`, the step, the skipped windows,
+what it holds and who owns what; with the statistics, ``stats_<name>``,
+after every window, and the window sizes, ``sizes``). With
+``--checkpoint-dir`` (one run), every worker saves its shard every
+``--checkpoint-every`` steps and at the end, and restores its shard of the
+newest common step on start; ``--kill-at W`` makes the last worker SIGKILL
+itself after the first micro-batch of window W. Imported by the tests for
+:func:`build`, :func:`slots` and :func:`windows` (the one-process reference).
 """
 import argparse
 import os
@@ -41,20 +43,18 @@ def initial_values():
             ("w2", rng.normal(size=(5, 1)) / 2), ("b2", np.zeros(1)), ("scale", np.ones(3))]
 
 
-def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None, dense=False, statistics=False):
+def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None, statistics=False):
     """The graph's tensors: placeholders, loss, train op, variables by name, global step.
 
     ``k=None``: the plain optimizer (clipped by ``tf.clip_by_global_norm``
-    with ``clip_norm``), one run per update, the reference. ``dense``: the
-    embedding is looked up by a one-hot product (a dense gradient, the same
-    function) instead of ``tf.gather``.
+    with ``clip_norm``), one run per update, the reference.
     """
     x = tf.compat.v1.placeholder(tf.float64, [None, 3], name="x")
     ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
     y = tf.compat.v1.placeholder(tf.float64, [None, 1], name="y")
     step = tf.compat.v1.train.get_or_create_global_step()
     v = dict((name, tf.compat.v1.get_variable(name, initializer=value)) for name, value in initial_values())
-    rows = tf.matmul(tf.one_hot(ids, ROWS, dtype=tf.float64), v["emb"]) if dense else tf.gather(v["emb"], ids)
+    rows = tf.gather(v["emb"], ids)  # a sparse (IndexedSlices) gradient
     h = tf.tanh(tf.matmul(x * rows * v["scale"], v["w1"]) + v["b1"])
     n = tf.shape(x)[0]
     loss = tf.reduce_sum(tf.square(tf.matmul(h, v["w2"]) + v["b2"] - y)) / tf.maximum(tf.cast(n, tf.float64), 1.0)
@@ -70,6 +70,17 @@ def build(tf, make_optimizer, k=K, skip_nonfinite=True, clip_norm=None, dense=Fa
                                             statistics=statistics)
         train = opt.minimize(loss, step, weight=n)
     return dict(x=x, ids=ids, y=y, loss=loss, train=train, variables=v, step=step, opt=opt)
+
+
+def slots(tf):
+    """The default graph's Adam state by :func:`slot_key`: moments of the variables held here, beta powers."""
+    return dict((slot_key(v.op.name), v) for v in tf.compat.v1.global_variables()
+                if v.op.name.endswith(("/Adam", "/Adam_1")) or v.op.name in ("beta1_power", "beta2_power"))
+
+
+def slot_key(name):
+    """The npz key of an Adam variable: ``slot_`` and its name, ``/`` as ``_``."""
+    return "slot_" + name.replace("/", "_")
 
 
 CLIP_NORM = 0.05  # "adamclip": Adam after clip_norm, which binds on every window here
@@ -126,7 +137,6 @@ def _parse(argv):
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
-    parser.add_argument("--dense", action="store_true", help="build(dense=True) in every run")
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
 
@@ -145,15 +155,16 @@ def _run(tf, args, config, server, run, after_training):
     with tf.Graph().as_default() as g:
         graph = build(tf, lambda: make(optimizer(tf, opt_name), config, timeout_seconds=60),
                       k=policy() if opt_name == "adaptive" else K,
-                      clip_norm=CLIP_NORM if opt_name == "adamclip" else None, dense=args.dense,
-                      statistics=opt_name == "adamstats")
-        stats = graph["opt"].statistics.variables if opt_name in ("adamstats", "adaptive") else []
+                      clip_norm=CLIP_NORM if opt_name in ("adamclip", "adamclipstats") else None,
+                      statistics=opt_name in ("adamstats", "adamclipstats"))
+        stats = graph["opt"].statistics.variables if opt_name in ("adamstats", "adamclipstats", "adaptive") else []
         stats = dict((v.op.name.rsplit("/", 1)[1], v) for v in stats)
         window_size = graph["opt"].windows[-1].size
         broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
         init = tf.compat.v1.global_variables_initializer()
         saver = tf.compat.v1.train.Saver(max_to_keep=10)
         skipped = [v for v in tf.compat.v1.global_variables() if v.op.name.endswith("skipped_windows")][0]
+        adam = slots(tf)
         held = dict((v.op.name, v.shape.num_elements() * v.dtype.base_dtype.size)
                     for v in tf.compat.v1.global_variables())
     plan, _ = windows([int(s) for s in args.shares.split(",")], args.windows, args.empty_window, args.nan_window)
@@ -184,7 +195,7 @@ def _run(tf, args, config, server, run, after_training):
                                               "model.ckpt"), global_step=step)
                 print("saved global_step %d" % step, flush=True)
         after_training()  # No collective runs after this: a peer that exits first is not a failure.
-        values = sess.run(graph["variables"])
+        values = sess.run(dict(graph["variables"], **adam))
         reducer = graph["opt"].optimizer
         owners = reducer.owners if engine != "collective" else {}
         np.savez("%s-%s-worker%d.npz" % (args.out, run, rank), step=sess.run(graph["step"]),

@@ -1,10 +1,11 @@
 """Tests of gradaccum.sharded (ZeRO stages 1 and 2 over collective workers) and gradaccum.consolidate.
 
-Stage 2 (``shard_cache=True``) runs the same jobs on the model with a dense
-embedding lookup (it refuses sparse gradients), and its refusals are checked
-by message. Its statistics (after every window) and AdaptiveBatch's window
-sizes are compared with the unsharded engine's in the same processes, and
-what an observer's hooks get in stage 2 is checked on the graph.
+Stage 2 (``shard_cache=True``) runs the same jobs on the same model (its
+sparse variable summed over the workers on every micro-batch, cached and
+applied sparse by its owner), and its refusals are checked by message. Its
+statistics (after every window) and AdaptiveBatch's window sizes are
+compared with the unsharded engine's in the same processes, and what an
+observer's hooks get in stage 2 is checked on the graph.
 
 The single-process tests check the partition rule, one process (P = 1), the
 errors, the graph a worker of two builds (slots, broadcasts, their order and
@@ -94,7 +95,7 @@ def test_bad_combinations_are_one_clear_line():
         gradaccum.GradientAccumulator(gradaccum.ShardedAllReduce(sgd, None), 2, loss_scaling=True)
 
 
-def _stage2_graph(rank=0, workers=2, dense=True, **accumulator):
+def _stage2_graph(rank=0, workers=2, **accumulator):
     """Builds worker ``rank``'s stage-2 train op in a graph of its own (v1 control flow); returns (graph, reducer)."""
     graph = tf.Graph()
     with graph.as_default(), v1_control_flow():
@@ -106,13 +107,11 @@ def _stage2_graph(rank=0, workers=2, dense=True, **accumulator):
             opt = gradaccum.GradientAccumulator(reducer, 3, **accumulator)
             opt.minimize(tf.reduce_sum(tf.matmul(x, w) + b), tf.compat.v1.train.get_or_create_global_step())
         else:
-            child.build(tf, lambda: reducer, dense=dense)
+            child.build(tf, lambda: reducer)
     return graph, reducer
 
 
 @pytest.mark.parametrize("case, message", [
-    (dict(dense=False), r"^ShardedAllReduce\(shard_cache=True\) needs dense gradients: the gradient of 'emb' is "
-                        r"sparse \(tf.IndexedSlices"),
     (dict(loss_scaling=True), r"^`loss_scaling` must not be True with ShardedAllReduce: each worker applies the "
                               r"wrapped optimizer to its own variables only, .* use skip_nonfinite=True$"),
     (dict(skip_nonfinite=True), r"^ShardedAllReduce\(shard_cache=True\) needs every worker to own a variable: 2 "
@@ -195,12 +194,18 @@ def test_a_stage2_worker_caches_its_own_variables_and_all_reduces_every_micro_ba
         assert sorted(reducer.owners) == sorted(_NAMES) and 0 < len(mine) < len(_NAMES)
         assert sorted(n.rsplit("/", 1)[0] for n in names if n.endswith("/GradientAccumulator")) == mine
         assert sorted(n[:-len("/Adam")] for n in names if n.endswith("/Adam")) == mine
+        # The sparse variable is cached sparse by its owner: row flags, rows added by a scatter.
+        touched = [n for n in names if n.endswith("/GradientAccumulator_touched")]
+        assert touched == (["emb/GradientAccumulator_touched"] if "emb" in mine else [])
         ops = graph.get_operations()
+        scatters = [op for op in ops if "Scatter" in op.type and "/accumulate/" in op.name]
+        assert sorted(set(_source(op.inputs[0]) for op in scatters)) == (
+            ["emb/GradientAccumulator", "emb/GradientAccumulator_touched"] if "emb" in mine else [])
         micro = [op for op in ops if op.type == "CollectiveReduce" and "_micro_batch/" in op.name]
         window = [op for op in ops if op.type == "CollectiveReduce" and "_reduce/" in op.name]
         assert len(micro) == 1 and len(window) == 1  # float64 only: one buffer each
-        assert micro[0].inputs[0].shape.num_elements() == sum(
-            int(np.prod(value.shape)) for _, value in child.initial_values())
+        assert micro[0].inputs[0].shape.num_elements() == sum(  # emb travels dense, with a flag per row
+            int(np.prod(value.shape)) for _, value in child.initial_values()) + child.ROWS
         assert reducer.micro_batch_bytes == 8 * micro[0].inputs[0].shape.num_elements()
         # The window's exchange carries the weight, the share's squared norm and its non-finite flag only.
         assert window[0].inputs[0].shape.num_elements() == 2
@@ -208,18 +213,48 @@ def test_a_stage2_worker_caches_its_own_variables_and_all_reduces_every_micro_ba
     assert [k - keys[0][0] for k in keys[0]] == [k - keys[1][0] for k in keys[1]]  # alike on both workers
 
 
-def reference(opt_name, shares, count, empty=None, nan=None, extra=0, dense=False):
-    """One process, plain optimizer, one run per applied window on the union of the workers' points."""
+def test_a_stage2_worker_caches_the_sparse_sums_over_the_rows_any_worker_touched_and_its_own_norm():
+    """Rank 0 of 2 owns ``emb``; its peer is faked in the all-reduce: it touches row 2 with ones every time."""
+    with tf.Graph().as_default():
+        emb = tf.compat.v1.get_variable("emb", initializer=np.zeros([4, 3]))
+        w = tf.compat.v1.get_variable("w", initializer=np.ones([3]))
+        ids, weight = tf.compat.v1.placeholder(tf.int32, [None]), tf.compat.v1.placeholder(tf.float64, [])
+        reducer = gradaccum.ShardedAllReduce(child.optimizer(tf, "adam"), _config(2, 0), shard_cache=True)
+        # A micro-batch's packed buffer: emb's dense rows, emb's row flags, w (the window's end: its own).
+        peer = np.concatenate([np.eye(4)[2].repeat(3), np.eye(4)[2], np.zeros(3)])
+        reducer._all_reduce = lambda piece: piece + peer if piece.shape.num_elements() == peer.size else piece
+        loss = tf.reduce_sum(tf.gather(emb, ids) * w)
+        opt = gradaccum.GradientAccumulator(reducer, 3, clip_norm=1.0)
+        opt.apply_gradients(list(zip(tf.gradients(loss, [emb, w]), [emb, w])), weight=weight)
+        window = opt.windows[-1]
+        assert [v.op.name for v in window.variables] == ["emb"] and window.touched[0] is not None
+        sparse_sq = [v for v in window.state_variables() if v.op.name.endswith("/sparse_sq_norm")]
+        with tf.compat.v1.Session(config=_PRUNED) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            # Row 1 twice at weight 2; row 3 at weight 0 (its sum is 0, it is touched); an empty micro-batch.
+            for rows, value in (([1, 1], 2.0), ([3], 0.0), ([], 0.0)):
+                sess.run(window.accumulate_op, {ids: rows, weight: value})
+            cache, touched, norm = sess.run([window.accumulators[0], window.touched[0], sparse_sq[0]])
+    np.testing.assert_array_equal(cache, [[0] * 3, [4] * 3, [3] * 3, [0] * 3])  # row 1: 2 rows x weight 2
+    np.testing.assert_array_equal(touched, [0, 1, 1, 1])
+    assert norm == 24.0  # this worker's own rows as given: 2^2 * (3 + 3), summed over the workers at the end
+
+
+def reference(opt_name, shares, count, empty=None, nan=None, extra=0):
+    """One process, plain optimizer, one run per applied window on the union of the workers' points.
+
+    Returns the variables and the Adam state (:func:`sharded_child.slots`) by name.
+    """
     plan, skipped = child.windows(shares, count + extra, empty, nan)
     clip = child.CLIP_NORM if opt_name == "adamclip" else None
     with tf.Graph().as_default():
-        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None, clip_norm=clip, dense=dense)
+        graph = child.build(tf, lambda: child.optimizer(tf, opt_name), k=None, clip_norm=clip)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for w in range(count + extra):
                 if w not in skipped:
                     sess.run(graph["train"], child.feed(graph, np.concatenate([p for ps in plan[w] for p in ps])))
-            return sess.run(graph["variables"])
+            return sess.run(dict(graph["variables"], **child.slots(tf)))
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
@@ -370,9 +405,9 @@ def test_stage2_shards_consolidate_at_a_window_end_only(micro_step, tmp_path):
             consolidate.consolidate(directory, out)
         return
     plain = _restore_values(consolidate.consolidate(directory, out), lambda: child.build(
-        tf, lambda: child.optimizer(tf, "adam"), dense=True))  # One process, unsharded: a cache per variable.
-    caches = [name for name in plain if name.endswith("/GradientAccumulator")]
-    assert sorted(name.rsplit("/", 1)[0] for name in caches) == sorted(_NAMES)
+        tf, lambda: child.optimizer(tf, "adam")))  # One process, unsharded: a cache per variable.
+    caches = [name for name in plain if name.endswith(("/GradientAccumulator", "/GradientAccumulator_touched"))]
+    assert sorted(name.rsplit("/", 1)[0] for name in caches) == sorted(_NAMES + ["emb"])
     for name in caches + [n + "/Adam" for n in _NAMES]:  # each from its owner's shard
         np.testing.assert_array_equal(plain[name], len(name) + np.arange(plain[name].size).reshape(
             plain[name].shape), name)
@@ -407,22 +442,31 @@ def _load(out, run, rank):
     return dict(np.load("%s-%s-worker%d.npz" % (out, run, rank)))
 
 
+def _assert_adam_state(got, want, sharded, run):
+    """Each moment is held by its owner only (sharded) or by every worker, and equals one process's."""
+    for key in (k for k in want if k.startswith("slot_")):
+        holders = [values for values in got if key in values]
+        assert len(holders) == (1 if sharded and not key.endswith("_power") else len(got)), (run, key)
+        for values in holders:
+            np.testing.assert_allclose(values[key], want[key], err_msg="%s %s" % (run, key), **_TOL)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", ["sharded", "stage2"])
 @pytest.mark.parametrize("shares", [[9, 15], [5, 12, 7]])
 def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, engine, tmp_path):
-    """Stage 1 (``sharded``) on the model with a sparse embedding; stage 2 (``stage2``, ``shard_cache=True``,
-    which refuses sparse gradients) on the same model with a dense lookup."""
-    out, workers, dense = str(tmp_path / "run"), len(shares), engine == "stage2"
+    """Stage 1 (``sharded``) and stage 2 (``stage2``, ``shard_cache=True``) on the model with a sparse embedding,
+    with and without ``clip_norm``: the model and Adam's state equal the unsharded engine's and one process's."""
+    out, workers = str(tmp_path / "run"), len(shares)
     runs = [engine + "-adam", engine + "-sgd", engine + "-adamclip", "collective-adam"]
     results = _run_job(workers, ["--runs", ",".join(runs), "--shares", ",".join(map(str, shares)),
-                                 "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out]
-                       + (["--dense"] if dense else []))
+                                 "--windows", "6", "--empty-window", "1", "--nan-window", "3", "--out", out])
     assert [status for status, _, _ in results] == [0] * workers, [err[-2000:] for _, _, err in results]
     for run in runs:
         engine, opt_name = run.split("-")
-        want = reference(opt_name, shares, 6, empty=1, nan=3, dense=dense)
+        want = reference(opt_name, shares, 6, empty=1, nan=3)
         got = [_load(out, run, rank) for rank in range(workers)]
+        _assert_adam_state(got, want, engine != "collective", run)
         for rank, values in enumerate(got):
             assert (int(values["step"]), int(values["skipped"])) == (4, 2), (run, rank)  # alike everywhere
             for name in _NAMES:
@@ -451,17 +495,18 @@ def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, engi
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", ["sharded", "stage2"])
 def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continues_in_one_process(engine, tmp_path):
-    out, ckpt, dense = str(tmp_path / "run"), str(tmp_path / "ckpt"), engine == "stage2"
+    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     args = ["--runs", engine + "-adam", "--shares", "9,15", "--windows", "7", "--checkpoint-dir", ckpt,
-            "--checkpoint-every", "3", "--out", out] + (["--dense"] if dense else [])
+            "--checkpoint-every", "3", "--out", out]
     killed = _run_job(2, args + ["--kill-at", "5"])
     assert killed[1][0] == -9 and killed[0][0] != 0, [(s, e[-1500:]) for s, _, e in killed]
     assert "saved global_step 3" in killed[0][1] and "saved global_step 6" not in killed[0][1]
     resumed = _run_job(2, args)
     assert [status for status, _, _ in resumed] == [0, 0], [err[-2000:] for _, _, err in resumed]
     assert all("restored global_step 3\n" in text for _, text, _ in resumed)
-    want = reference("adam", [9, 15], 7, dense=dense)
+    want = reference("adam", [9, 15], 7)
     final = [_load(out, engine + "-adam", rank) for rank in (0, 1)]
+    _assert_adam_state(final, want, True, engine)
     for name in _NAMES:
         for values in final:
             np.testing.assert_allclose(values[name], want[name], err_msg=name, **_TOL)
@@ -471,20 +516,21 @@ def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continue
                                                                       for r in (0, 1)]
     plan, _ = child.windows([9, 15], 8)
     with tf.Graph().as_default():  # One unsharded process restores it and trains window 8: Adam's state is whole.
-        graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None, dense=dense)
+        graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None)
         with tf.compat.v1.Session() as sess:
             tf.compat.v1.train.Saver().restore(sess, ordinary)
             assert int(sess.run(graph["step"])) == 7
             restored = sess.run(graph["variables"])
             sess.run(graph["train"], child.feed(graph, np.concatenate([p for ps in plan[7] for p in ps])))
             continued = sess.run(graph["variables"])
-    want8 = reference("adam", [9, 15], 7, extra=1, dense=dense)
+    want8 = reference("adam", [9, 15], 7, extra=1)
     for name in _NAMES:
         np.testing.assert_array_equal(restored[name], final[0][name], err_msg=name)
         np.testing.assert_allclose(continued[name], want8[name], err_msg=name, **_TOL)
 
 
-_OBSERVED_RUNS = ["stage2-adamstats", "collective-adamstats", "stage2-adaptive", "collective-adaptive"]
+_OBSERVED_RUNS = ["stage2-adamstats", "collective-adamstats", "stage2-adaptive", "collective-adaptive",
+                  "stage2-adamclipstats", "collective-adamclipstats"]
 
 
 @pytest.fixture(scope="module")
@@ -492,7 +538,9 @@ def observed_job(tmp_path_factory):
     """A function ``shares -> {run: [worker's npz values, ...]}`` that runs each job once per module.
 
     Adam with statistics, stage 2 then unsharded, in the same processes; on
-    two workers SGD under AdaptiveBatch too. Six windows, window 1 of zero
+    two workers SGD under AdaptiveBatch, and Adam with statistics and
+    ``clip_norm`` (the observers' norm of the summed sparse rows, and the
+    clip norm of the rows as given, reduced apart), too. Six windows, window 1 of zero
     weight and window 3 with a NaN (both skipped).
     """
     done = {}
@@ -503,7 +551,7 @@ def observed_job(tmp_path_factory):
             out = str(tmp_path_factory.mktemp("observed") / "run")
             results = _run_job(len(shares), ["--runs", ",".join(runs), "--shares", ",".join(map(str, shares)),
                                              "--windows", "6", "--empty-window", "1", "--nan-window", "3",
-                                             "--out", out, "--dense"])
+                                             "--out", out])
             assert [status for status, _, _ in results] == [0] * len(shares), [e[-2000:] for _, _, e in results]
             done[tuple(shares)] = dict((name, [_load(out, name, rank) for rank in range(len(shares))])
                                        for name in runs)
@@ -547,7 +595,7 @@ def test_stage2_statistics_equal_the_unsharded_engines_on_every_worker(shares, o
     np.testing.assert_array_equal(want["windows"], [1, 1, 2, 2, 3, 4])
     assert np.all(want["last_big_sq_norm"] > 0) and np.all(want["last_small_sq_norm"] > want["last_big_sq_norm"])
     np.testing.assert_array_equal(want["last_window_weight"], sum(shares))
-    reference_adam = reference("adam", shares, 6, empty=1, nan=3, dense=True)
+    reference_adam = reference("adam", shares, 6, empty=1, nan=3)
     for name in _NAMES:  # Statistics change no update.
         np.testing.assert_allclose(runs["stage2-adamstats"][0][name], reference_adam[name], err_msg=name, **_TOL)
 
@@ -562,3 +610,14 @@ def test_stage2_adaptive_batch_chooses_the_unsharded_engines_window_sizes_on_eve
         assert values["sizes"].tolist() == sizes
     want = _assert_stage2_equals_unsharded(stage2, unsharded)
     assert np.all(want["noise_scale"] > 0)
+
+
+@pytest.mark.distributed
+def test_stage2_statistics_with_clipping_and_a_sparse_gradient_equal_the_unsharded_engines(observed_job):
+    runs = observed_job([9, 15])
+    want = _assert_stage2_equals_unsharded(runs["stage2-adamclipstats"], runs["collective-adamclipstats"])
+    reference_clipped = reference("adamclip", [9, 15], 6, empty=1, nan=3)
+    for name in _NAMES:  # Clipped as one process clips, whatever the statistics read.
+        np.testing.assert_allclose(runs["stage2-adamclipstats"][0][name], reference_clipped[name], err_msg=name,
+                                   **_TOL)
+    np.testing.assert_array_equal(want["windows"], [1, 1, 2, 2, 3, 4])
