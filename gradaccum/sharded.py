@@ -24,8 +24,8 @@ reduce-scatter with an all-gather would send ``2 (P - 1) / P`` in all.
 
 Stage 2 (``shard_cache=True``): :meth:`~ShardedAllReduce.reduce_micro_batch`
 all-reduces each micro-batch's weighted gradient when it is added (then
-each worker keeps its own variables' sums) and hands the window the owned sums only, so the window
-caches those only; at the window's end :meth:`~gradaccum.Reducer.reduce` gets no gradient,
+each worker keeps its own variables' sums) and hands the window the owned
+sums only, so the window caches those only; at the window's end :meth:`~gradaccum.Reducer.reduce` gets no gradient,
 only the weight and the whole-gradient scalars (squared norm, non-finite
 count) that every worker decides from. Bytes on the wire per update: k
 times the all-reduce's, plus the broadcasts. A sparse (``IndexedSlices``)
@@ -38,9 +38,8 @@ workers at the end with the other scalars). Statistics, AdaptiveBatch and
 observers work, with the unsharded numbers: observers see each worker's own
 micro-batches and, at the window's end, its share with the whole gradient's
 squared norm (``WindowUpdate.sq_norm``, :mod:`gradaccum.observers`).
-Refused: fewer variables than workers (here), and window batch norm and
-loss scaling (by the window; loss scaling already when the accumulator is
-constructed).
+Refused: fewer variables than workers (here), window batch norm (by the
+window) and loss scaling (when the accumulator is constructed).
 
 Variables: the wrapped optimizer's slots, for the owned variables only, and
 its non-slot variables (Adam's ``beta1_power`` and ``beta2_power``, once per
