@@ -131,18 +131,9 @@ def _rss_now():
         return 0
 
 
-def _tf_peak(tf):
-    """TensorFlow's own peak allocation on the CPU (variables and transients), or None where TF keeps none
-    (TF < 2.5, or the BFC allocator off: ``launch`` turns it on)."""
-    try:
-        return int(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-    except (ValueError, AttributeError, tf.errors.OpError):
-        return None
-
-
 def child(args):
     """One worker: builds, trains a warm-up update and ``--updates`` timed ones, prints ``RESULT {json}``."""
-    import resource
+    import harness  # Beside this script; imports no TensorFlow.
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
@@ -186,8 +177,9 @@ def child(args):
         assert int(sess.run(step)) == args.updates + 1
     result = dict(engine=args.child, workers=len(config.compute_tasks), rank=config.task_index, params=params,
                   held=held, bytes_per_param=sum(held.values()) / float(params),
-                  peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_ready=rss_ready,
-                  tf_peak=_tf_peak(tf),
+                  peak_rss=harness.peak_rss_bytes(), rss_ready=rss_ready,
+                  # TF's own peak: None where it keeps none (TF < 2.5; ``launch`` turns the BFC allocator on).
+                  tf_peak=harness.allocator_peak_bytes(),
                   wire_bytes_per_update=_wire_bytes(reducer, len(config.compute_tasks), held["model"],
                                                     _compat.BROADCAST_FROM_ANY_TASK, args.k),
                   update_seconds=sorted(times)[len(times) // 2], tf_version=tf.__version__)

@@ -111,7 +111,7 @@ def sparse_again(dense, flags, var, index=None):
     return tf.IndexedSlices(tf.gather(dense, index), index, dense_shape=tf.shape(var, out_type=tf.int64))
 
 
-def _values_of(grad):
+def values_of(grad):
     """The dense values of a gradient: the tensor, or an ``IndexedSlices``' rows."""
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
@@ -128,5 +128,5 @@ def all_finite(grads_and_vars):
     Example:
       >>> finite = all_finite(averaged)
     """
-    values = [_values_of(g) for g, _ in grads_and_vars]
+    values = [values_of(g) for g, _ in grads_and_vars]
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]), name="all_finite")

@@ -58,7 +58,7 @@ optimizer's internal apply ops out of ``TRAIN_OP``.
 import collections
 
 from gradaccum._compat import tf, v1_control_flow
-from gradaccum._gradients import all_finite, normalized, sparse_again, touched_rows, weighted
+from gradaccum._gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
 from gradaccum._state import state_variable
 from gradaccum.observers import MicroBatch, WindowUpdate
 
@@ -568,7 +568,7 @@ def _share_scalars(config, state, sums):
             squares.append(tf.cast(sums.sparse_sq, dtype))
         scalars.append(tf.add_n(squares))
     if _observed_apart(config, state, sums):
-        scalars.append(tf.add_n(_squares([_values(g) for g, _ in sums.pairs], dtype)))
+        scalars.append(tf.add_n(_squares([values_of(g) for g, _ in sums.pairs], dtype)))
     if config.skip_nonfinite:
         scalars.append(tf.cast(tf.logical_not(all_finite(sums.pairs)), dtype))
     return scalars
@@ -582,11 +582,6 @@ def _observed_apart(config, state, sums):
     sparse). Without clipping, or without a sparse gradient, one serves both.
     """
     return bool(state.observers) and (config.clip_norm is None or sums.sparse_sq is not None)
-
-
-def _values(grad):
-    """The rows of a sparse sum (each row once), or the dense sum."""
-    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
 def _averaged_sq_norm(sums):

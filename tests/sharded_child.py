@@ -8,8 +8,9 @@ trained on 24 fixed points. Worker r reads its own uneven share
 with ``skip_nonfinite``). ``--runs`` lists ``engine-optimizer`` trainings
 (``sharded-adam``, ``sharded-adamclip`` with ``clip_norm``,
 ``collective-sgd``, ``stage2-adam`` for ``shard_cache=True``, ``-adamstats``
-for Adam with ``statistics=True`` (``-adamclipstats`` with ``clip_norm`` too), ``-adaptive`` for SGD under an
-``AdaptiveBatch``, whose windows split the worker's points into the k
+for Adam with ``statistics=True`` (``-adamclipstats`` with ``clip_norm``
+too; "clip" and "stats" in a name switch them on), ``-adaptive`` for SGD
+under an ``AdaptiveBatch``, whose windows split the worker's points into the k
 micro-batches the policy asks for, ...), one graph each, in this one
 process; each writes ``<out>-<run>-worker<r>.npz`` (the model, the Adam
 state this worker holds by :func:`slot_key`, the step, the skipped windows,
@@ -155,9 +156,8 @@ def _run(tf, args, config, server, run, after_training):
     with tf.Graph().as_default() as g:
         graph = build(tf, lambda: make(optimizer(tf, opt_name), config, timeout_seconds=60),
                       k=policy() if opt_name == "adaptive" else K,
-                      clip_norm=CLIP_NORM if opt_name in ("adamclip", "adamclipstats") else None,
-                      statistics=opt_name in ("adamstats", "adamclipstats"))
-        stats = graph["opt"].statistics.variables if opt_name in ("adamstats", "adamclipstats", "adaptive") else []
+                      clip_norm=CLIP_NORM if "clip" in opt_name else None, statistics="stats" in opt_name)
+        stats = graph["opt"].statistics.variables if "stats" in opt_name or opt_name == "adaptive" else []
         stats = dict((v.op.name.rsplit("/", 1)[1], v) for v in stats)
         window_size = graph["opt"].windows[-1].size
         broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
