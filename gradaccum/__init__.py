@@ -2,7 +2,8 @@
 
 For TensorFlow 1.x graph mode (``tf.compat.v1``), TF 1.15 to 2.x. Public
 names are re-exported here explicitly, one per line, and imported on first
-use; the modules ``tower`` (several devices), ``cluster`` (several processes
+use; the modules ``tower`` (several devices), ``subdivisions`` (one run per update, the micro-batches in a
+loop inside the graph), ``cluster`` (several processes
 and hosts, with its engines ``collective`` and ``ingraph``), ``launch``
 (the one-machine launcher, ``python -m gradaccum.launch``) and ``statistics``
 (the gradient noise scale behind ``summaries``) are public too.
@@ -34,6 +35,7 @@ _EXPORTS = {
     "ShardedAllReduce": ("gradaccum.sharded", "ShardedAllReduce"),
     "synchronized_batch_norm": ("gradaccum.collective", "synchronized_batch_norm"),
     "summaries": ("gradaccum._summaries", "summaries"),
+    "SubdividedTraining": ("gradaccum.subdivisions", "SubdividedTraining"),
     "Tower": ("gradaccum.tower", "Tower"),
     "TowerTraining": ("gradaccum.tower", "TowerTraining"),
     "cluster": ("gradaccum.cluster", None),
@@ -45,6 +47,7 @@ _EXPORTS = {
     "reducers": ("gradaccum.reducers", None),
     "sharded": ("gradaccum.sharded", None),
     "statistics": ("gradaccum.statistics", None),
+    "subdivisions": ("gradaccum.subdivisions", None),
     "tower": ("gradaccum.tower", None),
 }
 
@@ -81,6 +84,7 @@ __all__ = [
     "Reducer",
     "ShardedAllReduce",
     "StopSignal",
+    "SubdividedTraining",
     "Tower",
     "TowerTraining",
     "WindowObserver",
@@ -97,6 +101,7 @@ __all__ = [
     "sharded",
     "statistics",
     "step_schedule",
+    "subdivisions",
     "summaries",
     "synchronized_batch_norm",
     "tower",

@@ -266,7 +266,8 @@ def _build_direct(config, grads_and_vars, pairs, step):
             with tf.control_dependencies(_notify(observers, "added", MicroBatch(pairs, step.weight,
                                                                                  step.small_batches))):
                 sums = _direct_sums(config, pairs, step.weight)
-                done = _finish(_End(config, state, step.global_step, outer_scope), sums)
+                done = _finish(_End(config, state, step.global_step, outer_scope), sums,
+                               divide=config.reducer is not None)
             train_op = tf.group(done, name=step.name or "train")
     return Window(train_op, variables, state, size=one)
 
@@ -369,6 +370,71 @@ def _size(config, state, global_step):
     # Read the source only when no window is open: inside one, its k is held.
     size = tf.cond(ended, lambda: config.size.read(global_step), state.size.read_value, name="window_size")
     return size, ended
+
+
+# ------------------------------------------------------------ one run, one window
+
+
+def summed_state(config, pairs, step):
+    """The state of a window whose micro-batches are summed inside one run: no caches, no counters.
+
+    Only what the end of a window needs: ``skipped_windows`` and the
+    observers (made from ``pairs``, then the step's own).
+
+    Args:
+      config: the accumulator's :data:`Config`.
+      pairs: the ``(gradient, variable)`` pairs of one micro-batch.
+      step: the train op's :data:`Step`.
+
+    Returns:
+      The window's state, for :func:`added` and :func:`finish_summed`.
+
+    Example:
+      >>> state = summed_state(config, pairs, step)
+    """
+    with tf.compat.v1.init_scope():
+        sum_dtype = _sum_dtype(pairs, config.accumulation_dtype)
+        skipped = state_variable("skipped_windows", [], tf.int64, _first(pairs))
+        made = _make_observers(config, pairs, sum_dtype)
+    return _State([], None, None, None, None, skipped, made + list(step.observers), len(made))
+
+
+def sum_dtypes(config, pairs):
+    """``([dtype of each pair's sum], dtype of the weight sum)``, as the window's caches would have."""
+    grads = [_accumulator_dtype(var.dtype.base_dtype, config.accumulation_dtype) for _, var in pairs]
+    return grads, _sum_dtype(pairs, config.accumulation_dtype)
+
+
+def added(state, micro_batch):
+    """The observers' ops for one :class:`gradaccum.observers.MicroBatch` (a list)."""
+    return _notify(state.observers, "added", micro_batch)
+
+
+def finish_summed(config, state, step, outer_scope, pairs, total):
+    """Ends a window summed inside one run: reduce, divide, decide skip, clip, apply, count, observe.
+
+    Args:
+      config: the accumulator's :data:`Config`.
+      state: from :func:`summed_state`.
+      step: the train op's :data:`Step` (its ``global_step``).
+      outer_scope: the caller's name scope, where the wrapped optimizer builds.
+      pairs: ``(sum_i w_i g_i, variable)``; a sparse sum holds every
+        micro-batch's rows as given, repeated rows included, as the full
+        batch's gradient does.
+      total: ``sum_i w_i``, a scalar tensor.
+
+    Returns:
+      The op that applies (or skips) the window.
+
+    Example:
+      >>> op = finish_summed(config, state, step, "", sums, total)
+    """
+    sparse_sq = None
+    if config.reducer is not None and config.clip_norm is not None and _has_sparse(pairs):
+        # The reducer sums rows over the workers: keep the norm of the rows as given.
+        sparse_sq = _sparse_sq_norm([grad for grad, _ in pairs], None, total.dtype.base_dtype)
+    return _finish(_End(config, state, step.global_step, outer_scope), _Sums(pairs, total, sparse_sq, None),
+                   divide=True)
 
 
 # ------------------------------------------------------------ add a micro-batch
@@ -490,17 +556,16 @@ def _add_sparse(slot, grad, weight):
 
 def _end_window(end, may_be_empty=False):
     """Sum: reads the window's caches, then finishes it."""
-    return _finish(end, _window_sums(end.state, may_be_empty))
+    return _finish(end, _window_sums(end.state, may_be_empty), divide=True)
 
 
-def _finish(end, sums):
-    """Reduce, divide, decide skip, then apply or skip; returns an op."""
+def _finish(end, sums, divide):
+    """Reduce, divide (when ``sums`` are weighted sums), decide skip, then apply or skip; returns an op."""
     config, state = end.config, end.state
     sums, extras = _reduce(config, state, sums)
     usable = _usable(config, sums)
 
     def apply():
-        divide = state.micro_step is not None or config.reducer is not None
         averaged = normalized(sums.pairs, sums.total if divide else None)
         finite = _loss_scale_applies(config, averaged)
         big = _averaged_sq_norm(sums) if state.observers else None

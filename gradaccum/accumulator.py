@@ -263,6 +263,14 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
 
     def _build(self, grads_and_vars, step):
         """``apply_gradients`` for one :data:`gradaccum._window.Step` (its update ops not yet split)."""
+        grads_and_vars, pairs, step, config = self._prepare(grads_and_vars, step)
+        graph = tf.compat.v1.get_default_graph()
+        with v1_control_flow(config.ref_step_flow), _window.keep_train_ops(graph):
+            window = _window.build(config, grads_and_vars, pairs, step)
+        return self._register(window, step)
+
+    def _prepare(self, grads_and_vars, step):
+        """Checks a train op's pairs and step; returns ``(grads_and_vars, pairs, step, config)``."""
         _check_graph_mode()
         if in_control_flow():
             raise ValueError(
@@ -272,9 +280,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
             )
         grads_and_vars, pairs = _checked_pairs(grads_and_vars)
         weight = _validate.check_scalar_tensor(step.weight, "weight", allow_none=True)
-        if self._size.needs_global_step and step.global_step is None:
-            raise ValueError("`num_micro_batches` %r is a schedule of `global_step` (a callable or a policy): "
-                             "pass `global_step` to minimize or apply_gradients, got None" % (self._given,))
+        self._check_global_step(step.global_step)
         update_ops = [] if step.update_ops is None else list(step.update_ops)
         # k = 1 has no window to pool statistics over: every update op is a plain one.
         plain, observers = (update_ops, []) if self._size.k == 1 else split_update_ops(update_ops)
@@ -284,10 +290,16 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         config = _window.Config(self._reducer or self._optimizer, self._name, self._size, self._clip_norm,
                                 self._accumulation_dtype, self._skip_nonfinite, self._observers, self._reducer,
                                 self._loss_scaled, ref_flow)
-        graph = tf.compat.v1.get_default_graph()
-        with v1_control_flow(ref_flow), _window.keep_train_ops(graph):
-            window = _window.build(config, grads_and_vars, pairs, step)
-        graph.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, window.train_op)
+        return grads_and_vars, pairs, step, config
+
+    def _check_global_step(self, global_step):
+        if self._size.needs_global_step and global_step is None:
+            raise ValueError("`num_micro_batches` %r is a schedule of `global_step` (a callable or a policy): "
+                             "pass `global_step` to minimize or apply_gradients, got None" % (self._given,))
+
+    def _register(self, window, step):
+        """Records a built window and puts its train op in ``TRAIN_OP``; returns the train op."""
+        tf.compat.v1.get_default_graph().add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, window.train_op)
         self._windows.append(window)
         if self._size.k != 1 and step.global_step is not None:
             hooks.install_global_step_warning_filter()

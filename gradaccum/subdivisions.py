@@ -1,0 +1,373 @@
+"""One run per update: the batch split into micro-batches inside the graph.
+
+:func:`minimize` takes what :func:`gradaccum.tower.minimize` takes, a model
+function and its inputs, with a :class:`gradaccum.GradientAccumulator` whose
+``num_micro_batches`` is k. One ``session.run`` of its train op is one
+update: the whole batch (or k pulls of a callable input) is split into k
+micro-batches inside a ``tf.while_loop``; each iteration builds the model on
+its micro-batch with the same variables and adds its gradients, weighted by
+the micro-batch's size, to loop-carried sums. After the loop the window's
+end runs once, as for the fused train op: reduce across workers, divide,
+decide skip, clip, apply, count ``global_step``, notify observers.
+
+The first micro-batch is built before the loop, so that the model's
+variables are created outside any control flow, in the caller's variable
+scope, with the names a plain graph gives them; the loop adds micro-batches
+2 to k. Gradients are read only inside the loop and applied after its exit,
+so no apply can overwrite a variable that a backward pass still reads (TF1
+reference variables alias their buffers). ``parallel_iterations=1`` keeps
+one micro-batch's activations in memory at a time.
+
+Variables: none of its own. The accumulator creates only what a window's
+end needs: ``<scope>/skipped_windows`` and its observers' variables
+(``statistics``, an ``AdaptiveBatch``). There are no caches and no
+``micro_step``: the sums are loop values, so no window is ever in progress
+between runs and every checkpoint is at a window boundary.
+
+Collections: the train op is appended to ``TRAIN_OP``. ``UPDATE_OPS`` keeps
+the first micro-batch's update ops; those built inside the loop are taken
+out again (no op outside the loop can run them), and every micro-batch's
+run inside the train op.
+"""
+import collections
+
+from gradaccum import _validate
+from gradaccum import _window
+from gradaccum._compat import tf, v1_control_flow
+from gradaccum._gradients import weighted
+from gradaccum._update_ops import split_update_ops
+from gradaccum.accumulator import GradientAccumulator
+from gradaccum.observers import MicroBatch
+
+SubdividedTraining = collections.namedtuple("SubdividedTraining", ["train_op", "loss", "num_micro_batches"])
+SubdividedTraining.__doc__ = """What :func:`minimize` builds.
+
+Attributes:
+  train_op: the op to run once per update, with the whole batch fed (or
+    nothing, for a callable input).
+  loss: scalar, the mean loss over the whole batch (the micro-batches'
+    losses weighted as their gradients are).
+  num_micro_batches: int64 scalar tensor, the k of the run (read once per run).
+"""
+
+_UPDATE_OPS_CHOICES = ("first", "all")
+
+
+def minimize(optimizer, model_fn, inputs, *, global_step=None, update_ops="all", name="subdivisions"):
+    """Builds one train op that splits a batch into k micro-batches inside the graph.
+
+    Each run of ``train_op`` is one update that equals one step of the
+    wrapped optimizer on the whole batch. A fed batch of n examples is cut
+    along axis 0 into k micro-batches whose sizes differ by at most one
+    (the first ones take the remainder); a callable input is called once per
+    micro-batch. Micro-batch i adds ``w_i * gradient_i``, where ``w_i`` is its
+    size (the leading dimension of its first input) or the weight
+    ``model_fn`` returns, and the update applies ``sum_i w_i g_i / sum_i w_i``.
+
+    Args:
+      optimizer: a :class:`gradaccum.GradientAccumulator`; its
+        ``num_micro_batches`` (an int, tensor, schedule or policy, read once
+        per run) is k, and its clipping, skipping, statistics, observers and
+        reducer act on the update as for the fused train op.
+      model_fn: callable taking one micro-batch per input and returning its
+        mean loss, a scalar float tensor, or ``(loss, weight)`` with a scalar
+        weight. Create variables with ``tf.compat.v1.get_variable`` or
+        ``tf.compat.v1.layers``: the first micro-batch creates them.
+      inputs: a tensor, or a list or tuple of tensors with the same leading
+        (batch) dimension, holding the whole batch (placeholders or a
+        ``tf.data`` iterator's whole batch); or a callable without
+        arguments that returns one micro-batch (a tensor, list or tuple),
+        for example an iterator's ``get_next`` over a dataset batched at the
+        micro-batch size, so that the whole batch never exists in memory.
+      global_step: optional variable, incremented once per applied update.
+      update_ops: ``"all"`` (or ``"first"``, the same on one device) runs the
+        ``UPDATE_OPS`` that ``model_fn`` creates, on every micro-batch before
+        its gradients are added; ``[]`` runs none.
+      name: name scope of the loop and of the first micro-batch's model.
+
+    Returns:
+      A :class:`SubdividedTraining` ``(train_op, loss, num_micro_batches)``.
+
+    Raises:
+      TypeError: when ``optimizer`` is not a ``GradientAccumulator``,
+        ``model_fn`` is not callable, ``inputs`` are not tensors, or
+        ``model_fn`` returns no scalar float loss.
+      ValueError: for a static batch smaller than a static k, mismatched
+        static batch sizes, a bad ``update_ops`` or ``name``, or what the
+        in-graph form refuses (window batch norm,
+        ``ShardedAllReduce(shard_cache=True)``).
+      tf.errors.InvalidArgumentError: when run with fewer examples than k.
+
+    Example:
+      >>> opt = gradaccum.GradientAccumulator(tf.compat.v1.train.AdamOptimizer(1e-3), 50)
+      >>> result = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels],
+      ...                                          global_step=step)
+      >>> sess.run(result.train_op, {images: batch_x, labels: batch_y})  # one update
+    """
+    _check_arguments(optimizer, model_fn, update_ops, name)
+    optimizer._check_global_step(global_step)
+    next_micro_batch = _input_source(inputs)
+    outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
+    with tf.compat.v1.name_scope(name):
+        k = _loop_bound(optimizer, global_step)
+        source = next_micro_batch(k)
+        with tf.compat.v1.name_scope("micro_batch_0"):
+            first = _micro_batch(optimizer, model_fn, source(0), update_ops, keep=True)
+        _, pairs, step, config = optimizer._prepare(first.pairs, _window.Step(global_step, name, None, [], None,
+                                                                              False))
+        _refuse(config, first)
+        with v1_control_flow(config.ref_step_flow):
+            state = _window.summed_state(config, pairs, step)
+            loss, sums, total = _summed_loop(optimizer, model_fn, source, k, first, state, update_ops,
+                                             _window.sum_dtypes(config, pairs))
+            with tf.control_dependencies([total]):
+                done = _window.finish_summed(config, state, step, outer_scope, sums, total)
+            train_op = tf.group(done, name="train")
+        loss = tf.cast(loss, first.loss.dtype.base_dtype, name="loss")
+        k = tf.cast(k, tf.int64, name="window_size")
+    window = _window.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)))
+    return SubdividedTraining(optimizer._register(window, step), loss, k)
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _check_arguments(optimizer, model_fn, update_ops, name):
+    if not isinstance(optimizer, GradientAccumulator):
+        raise TypeError("`optimizer` must be a gradaccum.GradientAccumulator (its num_micro_batches is the "
+                        "number of micro-batches per run), got %s; wrap it: GradientAccumulator(opt, k)"
+                        % _validate.describe(optimizer))
+    if not callable(model_fn):
+        raise TypeError("`model_fn` must be callable, got %s" % _validate.describe(model_fn))
+    if not (isinstance(update_ops, str) and update_ops in _UPDATE_OPS_CHOICES
+            or isinstance(update_ops, (list, tuple)) and not update_ops):
+        raise ValueError("`update_ops` must be one of 'all', 'first' or [] (none), got %s"
+                         % _validate.describe(update_ops))
+    _validate.check_name(name)
+
+
+def _refuse(config, first):
+    """The combinations the in-graph form does not build, each in one ValueError."""
+    if getattr(config.reducer, "shard_cache", False):
+        raise ValueError("subdivisions.minimize sums the micro-batches inside one run and reduces once after "
+                         "the loop: ShardedAllReduce(shard_cache=True) reduces every micro-batch; use "
+                         "shard_cache=False (stage 1) or the fused train op")
+    if split_update_ops(first.update_ops)[1]:
+        raise ValueError("subdivisions.minimize cannot pool window batch norm (gradaccum.batch_normalization "
+                         "with window statistics) over its loop; use the fused train op "
+                         "(GradientAccumulator.minimize), or batch norm that updates per micro-batch")
+
+
+def _loop_bound(optimizer, global_step):
+    """k as an int32 scalar tensor: the accumulator's static int, or its source read once per run."""
+    size = optimizer._size
+    if size.k is not None:
+        return tf.constant(size.k, tf.int32, name="num_micro_batches")
+    with tf.compat.v1.name_scope("num_micro_batches"):
+        return tf.cast(size.read(global_step), tf.int32)
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def _input_source(inputs):
+    """``source_for(k)``, where ``source_for(k)(i)`` is ``(tensors, size)`` of micro-batch i."""
+    if callable(inputs) and not isinstance(inputs, (tf.Tensor, tf.Variable)):
+        return lambda k: lambda i: _pulled(inputs)
+    tensors = _as_tensors(inputs, "inputs")
+
+    def source_for(k):
+        n = _checked_batch(tensors, k)
+        base, extra = n // k, n % k
+
+        def source(i):
+            # The first `extra` micro-batches take one example more.
+            start = i * base + tf.minimum(i, extra)
+            size = base + tf.cast(i < extra, tf.int32)
+            return [tensor[start:start + size] for tensor in tensors], size
+        return source
+    return source_for
+
+
+def _pulled(inputs):
+    """One micro-batch from a callable input, and its size (its first tensor's leading dimension)."""
+    tensors = _as_tensors(inputs(), "inputs()")
+    return tensors, tf.shape(tensors[0])[0]
+
+
+def _as_tensors(value, arg):
+    """``value`` as a non-empty list of tensors with a leading (batch) dimension."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise ValueError("`%s` must give a tensor or a non-empty list of tensors, got %s"
+                         % (arg, _validate.describe(value)))
+    tensors = []
+    for item in items:
+        try:
+            tensor = tf.convert_to_tensor(item)
+        except (TypeError, ValueError):
+            raise TypeError("`%s` must give tensors, got %s" % (arg, _validate.describe(item))) from None
+        if tensor.shape.ndims == 0:
+            raise ValueError("`%s` must have a leading (batch) dimension, got the scalar %s"
+                             % (arg, _validate.describe(item)))
+        tensors.append(tensor)
+    return tensors
+
+
+def _checked_batch(tensors, k):
+    """The batch size n as an int32 tensor, after run-time checks that n >= k and the inputs agree."""
+    static = [tf.compat.dimension_value(t.shape[0]) for t in tensors if t.shape.ndims]
+    known = sorted(set(size for size in static if size is not None))
+    if len(known) > 1:
+        raise ValueError("`inputs` must have the same leading (batch) dimension, got %s" % known)
+    k_static = tf.get_static_value(k)
+    if known and k_static is not None and known[0] < k_static:
+        raise ValueError("`inputs` must hold at least num_micro_batches (%d) examples, got a batch of %d"
+                         % (k_static, known[0]))
+    n = tf.shape(tensors[0], name="batch_size")[0]
+    checks = [tf.compat.v1.assert_greater_equal(
+        n, k, name="enough_examples",
+        message="`inputs` must hold at least num_micro_batches examples (one per micro-batch); batch, k:")]
+    checks.extend(tf.compat.v1.assert_equal(
+        tf.shape(tensor)[0], n, name="same_batch_%d" % index,
+        message="`inputs` must have the same leading (batch) dimension; input %d differs:" % index)
+        for index, tensor in enumerate(tensors[1:], 1))
+    with tf.control_dependencies(checks):
+        return tf.identity(n)
+
+
+# ------------------------------------------------------------------ one micro-batch
+
+# One micro-batch as built: its mean loss and weight, its (gradient,
+# variable) pairs, the update ops it created, and those to run.
+_Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "update_ops", "to_run"])
+
+
+def _micro_batch(optimizer, model_fn, source, update_ops, keep, var_list=None):
+    """Builds ``model_fn`` on one micro-batch and its gradients.
+
+    ``keep``: leave the update ops it creates in ``UPDATE_OPS`` (the first
+    micro-batch's, outside the loop); inside the loop they are taken out.
+    """
+    tensors, size = source
+    graph = tf.compat.v1.get_default_graph()
+    updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
+    before = len(updates)
+    loss, weight = _loss_and_weight(model_fn(*tensors), size)
+    created = list(updates[before:])
+    if not keep:
+        del updates[before:]
+    pairs = optimizer.compute_gradients(loss, var_list=var_list)
+    if var_list is None:
+        pairs = [(grad, var) for grad, var in pairs if grad is not None]
+        if not pairs:
+            raise ValueError("No gradients provided for any variable: `model_fn`'s loss %s depends on no "
+                             "trainable variable" % _validate.describe(loss))
+    to_run = [] if isinstance(update_ops, (list, tuple)) else created
+    return _Micro(loss, weight, pairs, created, to_run)
+
+
+def _loss_and_weight(result, size):
+    """``model_fn``'s result as ``(loss, weight)``: the weight defaults to the micro-batch's size."""
+    loss, weight = result if isinstance(result, (list, tuple)) and len(result) == 2 else (result, size)
+    if not isinstance(loss, tf.Tensor) or not loss.dtype.base_dtype.is_floating:
+        raise TypeError("`model_fn` must return a scalar float loss tensor, or (loss, weight), got %s"
+                        % _validate.describe(result))
+    if loss.shape.ndims != 0:
+        raise ValueError("`model_fn` must return a scalar loss (the mean over its micro-batch), got shape %s: "
+                         "reduce it with tf.reduce_mean, so that the size-weighted average is the full "
+                         "batch's mean" % (loss.shape,))
+    return loss, _validate.check_scalar_tensor(weight, "weight")
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtypes):
+    """``(mean loss, [(sum_i w_i g_i, var)], sum_i w_i)`` over micro-batches 0..k-1.
+
+    Micro-batch 0 (``first``) starts the sums; micro-batches 1..k-1 are added
+    in a ``tf.while_loop``. A dense sum is a loop value; a sparse one is a
+    pair of ``TensorArray`` of rows and indices, concatenated after the loop,
+    so that it holds every row as given, as the full batch's gradient does.
+    """
+    variables = [var for _, var in first.pairs]
+    grad_dtypes, sum_dtype = dtypes
+    observed = _window.added(state, MicroBatch(first.pairs, first.weight, None))
+    with tf.control_dependencies(first.to_run + observed):
+        start = _start_sums(first, grad_dtypes)
+        initial = [tf.constant(1), _weighted_loss(first, sum_dtype), tf.cast(first.weight, sum_dtype)] + start
+
+    var_scope = tf.compat.v1.get_variable_scope()
+
+    def body(i, loss_sum, total, *sums):
+        # The variables exist: micro-batches 1..k-1 reuse the first one's.
+        with tf.compat.v1.variable_scope(var_scope, reuse=True, auxiliary_name_scope=False):
+            micro = _micro_batch(optimizer, model_fn, source(i), update_ops, keep=False, var_list=variables)
+        with tf.control_dependencies(micro.to_run):
+            added = _add_to_sums(list(sums), micro, i, grad_dtypes)
+            weight = tf.cast(micro.weight, sum_dtype)
+            # Every micro-batch's update ops and observers run before the next one starts.
+            ops = micro.to_run + _window.added(state, MicroBatch(micro.pairs, micro.weight, None))
+            with tf.control_dependencies(ops):
+                following = tf.add(i, 1, name="next_micro_batch")
+            return [following, loss_sum + _weighted_loss(micro, sum_dtype), total + weight] + added
+
+    final = tf.compat.v1.while_loop(lambda i, *_: i < k, body, initial, back_prop=False, parallel_iterations=1,
+                                    name="micro_batches")
+    _, loss_sum, total = final[:3]
+    sums = _finished_sums(final[3:], first.pairs)
+    return loss_sum / total, sums, total
+
+
+def _start_sums(first, grad_dtypes):
+    """Micro-batch 0's weighted gradients as the loop's first values (flat)."""
+    flat = []
+    for (grad, _), dtype in zip(first.pairs, grad_dtypes):
+        if isinstance(grad, tf.IndexedSlices):
+            rows, indices = _rows(grad, first.weight, dtype)
+            shape = tf.TensorShape([None]).concatenate(rows.shape[1:])
+            flat.append(tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False,
+                                       element_shape=shape).write(0, rows))
+            flat.append(tf.TensorArray(indices.dtype, size=0, dynamic_size=True, infer_shape=False,
+                                       element_shape=tf.TensorShape([None])).write(0, indices))
+        else:
+            flat.append(weighted(tf.cast(grad, dtype), first.weight))
+    return flat
+
+
+def _add_to_sums(sums, micro, i, grad_dtypes):
+    """The sums with micro-batch ``i`` added (its graph is the first one's: the same kinds of gradient)."""
+    out, position = [], 0
+    for (grad, _), dtype in zip(micro.pairs, grad_dtypes):
+        if isinstance(sums[position], tf.TensorArray):
+            rows, indices = _rows(grad, micro.weight, dtype)
+            out.extend([sums[position].write(i, rows), sums[position + 1].write(i, indices)])
+            position += 2
+        else:
+            out.append(sums[position] + weighted(tf.cast(grad, dtype), micro.weight))
+            position += 1
+    return out
+
+
+def _rows(grad, weight, dtype):
+    """A sparse gradient's weighted rows and its indices."""
+    return weighted(tf.cast(grad.values, dtype), weight), grad.indices
+
+
+def _finished_sums(flat, first_pairs):
+    """``(sum, variable)`` pairs from the loop's final values; sparse ones as ``IndexedSlices``."""
+    pairs, position = [], 0
+    for grad, var in first_pairs:
+        if isinstance(flat[position], tf.TensorArray):
+            rows, indices = flat[position].concat(), flat[position + 1].concat()
+            pairs.append((tf.IndexedSlices(rows, indices, grad.dense_shape), var))
+            position += 2
+        else:
+            pairs.append((flat[position], var))
+            position += 1
+    return pairs
+
+
+def _weighted_loss(micro, dtype):
+    return tf.cast(micro.loss, dtype) * tf.cast(micro.weight, dtype)
