@@ -106,23 +106,26 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, update_ops="all",
     """
     _check_arguments(optimizer, model_fn, update_ops, name)
     optimizer._check_global_step(global_step)
-    next_micro_batch = _input_source(inputs)
+    source_for = _input_source(inputs)
     outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
-    with tf.compat.v1.name_scope(name):
+    with tf.compat.v1.name_scope(name) as scope:
         k = _loop_bound(optimizer, global_step)
-        source = next_micro_batch(k)
+        source = source_for(k)
         with tf.compat.v1.name_scope("micro_batch_0"):
             first = _micro_batch(optimizer, model_fn, source(0), update_ops, keep=True)
-        _, pairs, step, config = optimizer._prepare(first.pairs, _window.Step(global_step, name, None, [], None,
-                                                                              False))
-        _refuse(config, first)
-        with v1_control_flow(config.ref_step_flow):
+    _, pairs, step, config = optimizer._prepare(first.pairs, _window.Step(global_step, name, None, [], None, False))
+    _refuse(config, first)
+    with v1_control_flow(config.ref_step_flow):
+        # The window's state and end are named as the fused train op's: checkpoints interchange.
+        with tf.compat.v1.name_scope(config.name) as window_scope:
             state = _window.summed_state(config, pairs, step)
+        with tf.compat.v1.name_scope(scope):
             loss, sums, total = _summed_loop(optimizer, model_fn, source, k, first, state, update_ops,
                                              _window.sum_dtypes(config, pairs))
-            with tf.control_dependencies([total]):
-                done = _window.finish_summed(config, state, step, outer_scope, sums, total)
-            train_op = tf.group(done, name="train")
+        with tf.compat.v1.name_scope(window_scope), tf.control_dependencies([total]):
+            done = _window.finish_summed(config, state, step, outer_scope, sums, total)
+    with tf.compat.v1.name_scope(scope):
+        train_op = tf.group(done, name="train")
         loss = tf.cast(loss, first.loss.dtype.base_dtype, name="loss")
         k = tf.cast(k, tf.int64, name="window_size")
     window = _window.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)))

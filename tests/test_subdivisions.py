@@ -1,0 +1,464 @@
+"""One run per update: ``subdivisions.minimize`` equals one plain step on the whole batch.
+
+The reference is the plain optimizer, one ``minimize`` step per batch on the
+whole batch, in its own graph from the same start. Every check reads the
+variables and the optimizer's slots after several updates. A batch of 23 in
+k = 4 micro-batches gives uneven sizes (6, 6, 6, 5); the model has a dense
+layer, a matrix and a ``tf.gather`` table (a sparse gradient), in float64.
+"""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradaccum
+from gradaccum._compat import TF_VERSION
+from user_optimizers import AdamWeightDecay, Lamb
+
+v1 = tf.compat.v1
+RNG = np.random.RandomState(3)
+X = RNG.randn(23, 4)
+IDS = RNG.randint(0, 5, size=23).astype(np.int32)
+Y = RNG.randn(23)
+UPDATES = 3
+OPTIMIZERS = {
+    "sgd": lambda: v1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: v1.train.MomentumOptimizer(0.1, 0.9),
+    "adam": lambda: v1.train.AdamOptimizer(0.05),
+    "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
+    "rmsprop": lambda: v1.train.RMSPropOptimizer(0.05),
+    # Written for dense gradients, as BERT's are: trained on _dense_model.
+    "bert_adamw": lambda: AdamWeightDecay(0.05, weight_decay_rate=0.01, exclude_from_weight_decay=["b"]),
+    "lamb": lambda: Lamb(0.05, weight_decay_rate=0.01),
+}
+DENSE_ONLY = ("bert_adamw", "lamb")
+
+
+def _model(x, ids, y, sparse=True):
+    """Mean squared error of a dense layer, a matrix and a gathered table (float64).
+
+    ``sparse=False`` looks the table up by a one-hot product: a dense
+    gradient, for optimizers written for dense gradients only (BERT's).
+    """
+    w = v1.get_variable("w", dtype=tf.float64, initializer=np.array([[0.3], [-0.2], [0.1], [0.5]]))
+    b = v1.get_variable("b", dtype=tf.float64, initializer=np.array([0.05]))
+    table = v1.get_variable("table", dtype=tf.float64, initializer=np.linspace(-1, 1, 10).reshape(5, 2))
+    hidden = v1.layers.dense(x, 3, activation=tf.nn.tanh, name="dense",
+                             kernel_initializer=v1.constant_initializer(np.linspace(-0.5, 0.5, 12).reshape(4, 3)))
+    pred = tf.matmul(x, w)[:, 0] + b + tf.reduce_sum(hidden, 1) + tf.reduce_sum(_lookup(table, ids, sparse), 1)
+    return tf.reduce_mean(tf.square(pred - y))
+
+
+def _lookup(table, ids, sparse):
+    return tf.gather(table, ids) if sparse else tf.matmul(tf.one_hot(ids, 5, dtype=table.dtype.base_dtype), table)
+
+
+def _dense_model(x, ids, y):
+    return _model(x, ids, y, sparse=False)
+
+
+def _placeholders():
+    return [v1.placeholder(tf.float64, [None, 4]), v1.placeholder(tf.int32, [None]),
+            v1.placeholder(tf.float64, [None])]
+
+
+def _batches(updates=UPDATES):
+    """The whole batch per update: the examples rolled, so that every update sees another order."""
+    return [(np.roll(X, u, 0), np.roll(IDS, u), np.roll(Y, u)) for u in range(updates)]
+
+
+def _values(sess, opt):
+    """Every variable and every slot of the (wrapped) optimizer, by name."""
+    found = {v.op.name: v for v in v1.global_variables() if "GradientAccumulator" not in v.op.name
+             and "subdivisions" not in v.op.name}
+    return dict(zip(found, sess.run(list(found.values()))))
+
+
+def _plain(make_opt, batches, clip_norm=None, model=_model):
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        loss = model(*feeds)
+        opt = make_opt()
+        step = v1.train.get_or_create_global_step()
+        if clip_norm is None:
+            train_op = opt.minimize(loss, global_step=step)
+        else:
+            grads, variables = zip(*opt.compute_gradients(loss))
+            clipped, _ = tf.clip_by_global_norm(grads, clip_norm)
+            train_op = opt.apply_gradients(zip(clipped, variables), global_step=step)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            losses = [sess.run([loss, train_op], dict(zip(feeds, batch)))[0] for batch in batches]
+            return _values(sess, opt), losses
+
+
+def _subdivided(make_opt, batches, k=4, model=_model, **kwargs):
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(make_opt(), k, **kwargs)
+        step = v1.train.get_or_create_global_step()
+        result = gradaccum.subdivisions.minimize(acc, model, feeds, global_step=step)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            losses = [sess.run([result.loss, result.train_op], dict(zip(feeds, batch)))[0] for batch in batches]
+            return _values(sess, acc), losses, acc, sess.run(acc.skipped_windows)
+
+
+def _assert_equal_values(actual, expected, rtol=1e-9, atol=1e-12):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        np.testing.assert_allclose(actual[name], expected[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+# ------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_equals_one_full_batch_step_per_run(opt_name):
+    batches = _batches()
+    model = _dense_model if opt_name in DENSE_ONLY else _model
+    expected, expected_losses = _plain(OPTIMIZERS[opt_name], batches, model=model)
+    actual, losses, _, _ = _subdivided(OPTIMIZERS[opt_name], batches, model=model)
+    assert actual.pop("global_step") == UPDATES  # Counted also where the optimizer ignores it (BERT's).
+    expected.pop("global_step")
+    _assert_equal_values(actual, expected)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 5, 23])
+def test_any_k_up_to_the_batch_size_is_exact(k):
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+    actual, _, _, _ = _subdivided(OPTIMIZERS["adam"], batches, k=k)
+    _assert_equal_values(actual, expected)
+
+
+def test_clip_norm_clips_as_tf_clips_the_full_batch():
+    """The sparse rows count as given (repeated rows too), as ``tf.clip_by_global_norm`` counts them."""
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["momentum"], batches, clip_norm=0.5)
+    unclipped, _ = _plain(OPTIMIZERS["momentum"], batches)
+    actual, _, _, _ = _subdivided(OPTIMIZERS["momentum"], batches, clip_norm=0.5)
+    _assert_equal_values(actual, expected)
+    assert not np.allclose(unclipped["w"], expected["w"])  # The clip acted.
+
+
+def test_window_size_is_read_once_per_run():
+    """k from a variable: each run splits its batch into the k it reads; every run equals the full batch."""
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        k = v1.get_variable("k", initializer=2, dtype=tf.int32, trainable=False, use_resource=True)
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), k)
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds,
+                                                 global_step=v1.train.get_or_create_global_step())
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch, size in zip(batches, (2, 7, 23)):
+                sess.run(k.assign(size))
+                _, read = sess.run([result.train_op, result.num_micro_batches], dict(zip(feeds, batch)))
+                assert read == size
+            actual = _values(sess, acc)
+    del actual["k"]
+    _assert_equal_values(actual, expected)
+
+
+def test_model_fn_may_give_the_weight():
+    """A weight from ``model_fn`` (here twice the size) weighs the micro-batches; equal weights cancel."""
+    def weighted_model(x, ids, y):
+        return _model(x, ids, y), 2 * tf.shape(y)[0]
+
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+        result = gradaccum.subdivisions.minimize(acc, weighted_model, feeds,
+                                                 global_step=v1.train.get_or_create_global_step())
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                sess.run(result.train_op, dict(zip(feeds, batch)))
+            _assert_equal_values(_values(sess, acc), expected)
+
+
+def test_callable_input_pulls_k_micro_batches_per_run():
+    """A ``tf.data`` iterator batched at the micro-batch size: 4 pulls of 5 per run, 3 runs, then the end."""
+    batches = [tuple(column[:20] for column in batch) for batch in _batches()]
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+    stream = tuple(np.concatenate(column) for column in zip(*batches))
+    with tf.Graph().as_default():
+        iterator = v1.data.make_one_shot_iterator(v1.data.Dataset.from_tensor_slices(stream).batch(5))
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+        result = gradaccum.subdivisions.minimize(acc, _model, iterator.get_next,
+                                                 global_step=v1.train.get_or_create_global_step())
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(UPDATES):
+                sess.run(result.train_op)
+            _assert_equal_values(_values(sess, acc), expected)
+            with pytest.raises(tf.errors.OutOfRangeError):
+                sess.run(result.train_op)
+
+
+def _dense_net(x, y):
+    """Two layers (reference variables under TF1 behaviour): what an early apply would disturb."""
+    hidden = v1.layers.dense(x, 16, activation=tf.nn.tanh, name="h",
+                             kernel_initializer=v1.glorot_uniform_initializer(seed=1))
+    out = v1.layers.dense(hidden, 1, name="out", kernel_initializer=v1.glorot_uniform_initializer(seed=2))
+    return tf.reduce_mean(tf.square(out[:, 0] - y))
+
+
+def _train_dense_net(subdivide, x, y):
+    with tf.Graph().as_default():
+        feeds = [v1.placeholder(tf.float64, [None, 8]), v1.placeholder(tf.float64, [None])]
+        opt = v1.train.AdamOptimizer(0.05)
+        if subdivide:
+            train_op = gradaccum.subdivisions.minimize(gradaccum.GradientAccumulator(opt, 8), _dense_net,
+                                                       feeds).train_op
+        else:
+            train_op = opt.minimize(_dense_net(*feeds))
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(UPDATES):
+                sess.run(train_op, dict(zip(feeds, (x, y))))
+            return sess.run(v1.trainable_variables())
+
+
+def test_no_apply_overtakes_a_backward_pass_in_repeated_runs():
+    """Five fresh runs of 3 updates: every one equals the full batch (an unordered apply was off by 1e-2)."""
+    rng = np.random.RandomState(5)
+    x, y = rng.randn(64, 8), rng.randn(64)
+    expected = _train_dense_net(False, x, y)
+    for _ in range(5):
+        for got, want in zip(_train_dense_net(True, x, y), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------ the window's features
+
+
+def test_skip_nonfinite_skips_the_run_and_counts_it():
+    bad = list(_batches(1)[0])
+    bad[2] = bad[2].copy()
+    bad[2][7] = np.nan
+    batches = [_batches(1)[0], tuple(bad), _batches(2)[1]]
+    expected, _ = _plain(OPTIMIZERS["adam"], [batches[0], batches[2]])
+    actual, _, _, skipped = _subdivided(OPTIMIZERS["adam"], batches, skip_nonfinite=True)
+    assert skipped == 1
+    assert actual.pop("global_step") == 2
+    expected.pop("global_step")
+    _assert_equal_values(actual, expected)
+
+
+def test_loss_scaling_skips_an_overflow_and_lowers_the_scale():
+    """float16 compute inside a dynamic loss-scale optimizer: an overflowing batch is skipped, then one applies."""
+    def model(x):
+        w = v1.get_variable("w", initializer=np.array([[0.5], [-0.25]], np.float32))
+        return tf.reduce_mean(tf.cast(tf.matmul(x, tf.cast(w, tf.float16)), tf.float32) ** 2)
+
+    normal = np.array([[1.0, 2.0], [0.5, -1.0], [0.25, 0.5]], np.float16)
+    with tf.Graph().as_default():
+        x = v1.placeholder(tf.float16, [None, 2])
+        scaled = v1.train.experimental.MixedPrecisionLossScaleOptimizer(v1.train.MomentumOptimizer(0.01, 0.9),
+                                                                          "dynamic")
+        acc = gradaccum.GradientAccumulator(scaled, 3)
+        step = v1.train.get_or_create_global_step()
+        result = gradaccum.subdivisions.minimize(acc, model, x, global_step=step)
+        (scale,) = [v for v in v1.global_variables() if v.op.name.endswith("current_loss_scale")]
+        (w,) = v1.trainable_variables()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            before = sess.run([w, scale])
+            sess.run(result.train_op, {x: normal * np.float16(200.0)})  # overflows float16 at scale 2**15
+            np.testing.assert_array_equal(sess.run(w), before[0])
+            assert sess.run(scale) == before[1] / 2 and sess.run(acc.skipped_windows) == 1
+            sess.run(result.train_op, {x: normal})
+            got = sess.run([w, step])
+    value = np.array([[0.5], [-0.25]])
+    grad = np.mean([2 * (r @ value) * r[:, None] for r in normal.astype(np.float64)], axis=0)
+    np.testing.assert_allclose(got[0], value - 0.01 * grad, rtol=1e-3)
+    assert got[1] == 1
+
+
+def _fused_statistics(batches, k=4):
+    """The fused train op's statistics on the same micro-batches (6, 6, 6, 5): the reference."""
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), k, statistics=True)
+        train_op = acc.minimize(_model(*feeds), global_step=v1.train.get_or_create_global_step(),
+                                weight=tf.shape(feeds[2])[0])
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                for start, stop in ((0, 6), (6, 12), (12, 18), (18, 23)):
+                    sess.run(train_op, {f: b[start:stop] for f, b in zip(feeds, batch)})
+            return sess.run(acc.statistics.variables), _values(sess, acc)
+
+
+def test_statistics_see_each_micro_batch_as_the_fused_train_op_does():
+    batches = _batches()
+    expected_stats, expected = _fused_statistics(batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4, statistics=True)
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds, global_step=v1.train.get_or_create_global_step())
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                sess.run(result.train_op, dict(zip(feeds, batch)))
+            stats = sess.run(acc.statistics.variables)
+            actual = _values(sess, acc)
+    for got, want in zip(stats, expected_stats):
+        np.testing.assert_allclose(got, want, rtol=1e-9)
+    assert stats[[v.op.name.endswith("windows") for v in acc.statistics.variables].index(True)] == UPDATES
+    _assert_equal_values(actual, expected)
+
+
+def _bn_model(x, y):
+    h = v1.layers.batch_normalization(x, training=True, name="bn", momentum=0.5)
+    w = v1.get_variable("w", dtype=tf.float64, initializer=np.array([[0.3], [-0.2], [0.1], [0.5]]))
+    return tf.reduce_mean(tf.square(tf.matmul(h, w)[:, 0] - y))
+
+
+def test_update_ops_run_on_every_micro_batch_as_the_fused_train_op_runs_them():
+    batches = [(b[0], b[2]) for b in _batches()]
+    results = []
+    for subdivide in (True, False):
+        with tf.Graph().as_default():
+            feeds = [v1.placeholder(tf.float64, [None, 4]), v1.placeholder(tf.float64, [None])]
+            acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+            if subdivide:
+                train = gradaccum.subdivisions.minimize(acc, _bn_model, feeds).train_op
+                assert len(v1.get_collection(v1.GraphKeys.UPDATE_OPS)) == 2  # The first micro-batch's only.
+            else:
+                train = acc.minimize(_bn_model(*feeds), weight=tf.shape(feeds[1])[0])
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                for batch in batches:
+                    if subdivide:
+                        sess.run(train, dict(zip(feeds, batch)))
+                        continue
+                    for start, stop in ((0, 6), (6, 12), (12, 18), (18, 23)):
+                        sess.run(train, {f: b[start:stop] for f, b in zip(feeds, batch)})
+                results.append(sess.run(v1.global_variables()[:5]))
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-9)
+    assert not np.allclose(results[0][2], 0.0)  # The moving mean moved.
+
+
+def test_no_window_state_between_runs():
+    """No caches, no micro_step: only the skip counter, so every checkpoint is at a window boundary."""
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds)
+        assert [v.op.name for v in acc.state_variables] == ["GradientAccumulator/skipped_windows"]
+        assert acc.accumulators == []
+        assert result.train_op in v1.get_collection(v1.GraphKeys.TRAIN_OP)
+        assert sorted(v.op.name for v in v1.trainable_variables()) == ["b", "dense/bias", "dense/kernel",
+                                                                         "table", "w"]
+
+
+def test_monitored_session_hooks_count_updates(tmp_path):
+    """``StopAtStepHook(last_step=3)`` stops after 3 runs, which are 3 updates; the checkpoint holds them."""
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        step = v1.train.get_or_create_global_step()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds, global_step=step)
+        runs = 0
+        with v1.train.MonitoredTrainingSession(checkpoint_dir=str(tmp_path), save_summaries_steps=None,
+                                               hooks=[v1.train.StopAtStepHook(last_step=UPDATES)]) as sess:
+            while not sess.should_stop():
+                sess.run(result.train_op, dict(zip(feeds, batches[runs])))
+                runs += 1
+    assert runs == UPDATES
+    checkpoint = tf.train.latest_checkpoint(str(tmp_path))
+    for name in ("global_step", "w", "table", "dense/kernel", "beta1_power"):
+        np.testing.assert_allclose(tf.train.load_variable(checkpoint, name), expected[name], rtol=1e-9)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _build(acc=None, inputs=None, model=_model, **kwargs):
+    feeds = _placeholders() if inputs is None else inputs
+    acc = acc or gradaccum.GradientAccumulator(OPTIMIZERS["sgd"](), 4)
+    return feeds, gradaccum.subdivisions.minimize(acc, model, feeds, **kwargs)
+
+
+def test_a_batch_smaller_than_k_is_an_error_when_it_runs():
+    with tf.Graph().as_default():
+        feeds, result = _build()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError, match="must hold at least num_micro_batches"):
+                sess.run(result.train_op, {f: b[:3] for f, b in zip(feeds, _batches(1)[0])})
+
+
+def test_a_static_batch_smaller_than_k_is_an_error_when_built():
+    with tf.Graph().as_default():
+        inputs = [tf.constant(X[:3]), tf.constant(IDS[:3]), tf.constant(Y[:3])]
+        with pytest.raises(ValueError, match=r"at least num_micro_batches \(4\) examples, got a batch of 3"):
+            _build(inputs=inputs)
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    ({"acc": v1.train.GradientDescentOptimizer(0.1)}, TypeError, "must be a gradaccum.GradientAccumulator"),
+    ({"model": "loss"}, TypeError, "`model_fn` must be callable, got 'loss'"),
+    ({"update_ops": "some"}, ValueError, "`update_ops` must be one of 'all', 'first' or \\[\\]"),
+    ({"model": lambda x, ids, y: tf.square(y)}, ValueError, "must return a scalar loss"),
+    ({"model": lambda x, ids, y: (_model(x, ids, y), "two")}, TypeError, "`weight` must have a numeric dtype, got string"),
+], ids=["optimizer", "model_fn", "update_ops", "non-scalar", "weight"])
+def test_bad_arguments_are_one_clear_error(arguments, error, message):
+    with tf.Graph().as_default():
+        with pytest.raises(error, match=message):
+            _build(**arguments)
+
+
+def test_stage_2_sharding_is_refused():
+    with tf.Graph().as_default():
+        sharded = gradaccum.ShardedAllReduce(OPTIMIZERS["sgd"](), None, shard_cache=True)
+        with pytest.raises(ValueError, match=r"ShardedAllReduce\(shard_cache=True\) reduces every micro-batch"):
+            _build(acc=gradaccum.GradientAccumulator(sharded, 4))
+
+
+def test_window_batch_norm_is_refused():
+    def model(x, ids, y):
+        h = gradaccum.batch_normalization(x, training=True, name="bn")
+        return _model(h, ids, y)
+
+    with tf.Graph().as_default():
+        with pytest.raises(ValueError, match="cannot pool window batch norm"):
+            _build(model=model)
+
+
+@pytest.mark.skipif(os.environ.get("GRADACCUM_TF_MODE") == "tf2" or TF_VERSION >= (2, 16),
+                    reason="tf.estimator: TF <= 2.15; its model_fn is tested once, in TF1 behaviour")
+def test_estimator_max_steps_counts_updates(tmp_path):
+    estimator = tf.estimator
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+
+    def model_fn(features, labels, mode):
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+        result = gradaccum.subdivisions.minimize(acc, lambda x, ids, y: _model(x, ids, y),
+                                                 [features["x"], features["ids"], labels],
+                                                 global_step=v1.train.get_global_step())
+        return estimator.EstimatorSpec(mode, loss=result.loss, train_op=result.train_op)
+
+    def input_fn():
+        x, ids, y = (np.concatenate(column) for column in zip(*batches))
+        return tf.data.Dataset.from_tensor_slices(({"x": x, "ids": ids}, y)).batch(len(Y)).repeat()
+
+    config = estimator.RunConfig(model_dir=str(tmp_path), log_step_count_steps=10 ** 6, save_summary_steps=10 ** 6)
+    est = estimator.Estimator(model_fn, config=config)
+    est.train(input_fn, max_steps=UPDATES)
+    assert est.get_variable_value("global_step") == UPDATES
+    for name in ("w", "b", "table", "dense/kernel"):
+        np.testing.assert_allclose(est.get_variable_value(name), expected[name], rtol=1e-9)
