@@ -33,6 +33,7 @@ import collections
 
 from gradaccum import _validate
 from gradaccum import _window
+from gradaccum import tower
 from gradaccum._compat import tf, v1_control_flow
 from gradaccum._gradients import weighted
 from gradaccum._update_ops import split_update_ops
@@ -53,7 +54,8 @@ Attributes:
 _UPDATE_OPS_CHOICES = ("first", "all")
 
 
-def minimize(optimizer, model_fn, inputs, *, global_step=None, update_ops="all", name="subdivisions"):
+def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, variables_device="/cpu:0",
+             update_ops="first", name="subdivisions"):
     """Builds one train op that splits a batch into k micro-batches inside the graph.
 
     Each run of ``train_op`` is one update that equals one step of the
@@ -80,10 +82,18 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, update_ops="all",
         for example an iterator's ``get_next`` over a dataset batched at the
         micro-batch size, so that the whole batch never exists in memory.
       global_step: optional variable, incremented once per applied update.
-      update_ops: ``"all"`` (or ``"first"``, the same on one device) runs the
-        ``UPDATE_OPS`` that ``model_fn`` creates, on every micro-batch before
-        its gradients are added; ``[]`` runs none.
-      name: name scope of the loop and of the first micro-batch's model.
+      devices: ``None`` (one device, the default placement), or a list of
+        device strings, one tower each: the batch is first split into one
+        shard per tower, and each tower loops over its shard's k
+        micro-batches on its device (a callable input is called by each
+        tower for its own micro-batches), so one run sees towers x k
+        micro-batches; the towers' sums are added before the window's end.
+      variables_device: with ``devices``, where the variables are created.
+      update_ops: ``"first"`` runs the ``UPDATE_OPS`` that the first tower's
+        ``model_fn`` creates, ``"all"`` every tower's (the same on one
+        device), on every micro-batch before its gradients are added; ``[]``
+        runs none.
+      name: name scope of the loops and of the first micro-batches' models.
 
     Returns:
       A :class:`SubdividedTraining` ``(train_op, loss, num_micro_batches)``.
@@ -106,30 +116,110 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, update_ops="all",
     """
     _check_arguments(optimizer, model_fn, update_ops, name)
     optimizer._check_global_step(global_step)
-    source_for = _input_source(inputs)
+    placements = _placements(devices, variables_device)
     outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
     with tf.compat.v1.name_scope(name) as scope:
         k = _loop_bound(optimizer, global_step)
-        source = source_for(k)
-        with tf.compat.v1.name_scope("micro_batch_0"):
-            first = _micro_batch(optimizer, model_fn, source(0), update_ops, keep=True)
+        sources = _input_sources(inputs, k, len(placements))
+        towers = [_Tower(scope, placements[0], sources[0], index=0, count=len(placements))]
+        first = towers[0].first_micro_batch(optimizer, model_fn, update_ops)
     _, pairs, step, config = optimizer._prepare(first.pairs, _window.Step(global_step, name, None, [], None, False))
     _refuse(config, first)
+    dtypes = _window.sum_dtypes(config, pairs)
     with v1_control_flow(config.ref_step_flow):
         # The window's state and end are named as the fused train op's: checkpoints interchange.
         with tf.compat.v1.name_scope(config.name) as window_scope:
             state = _window.summed_state(config, pairs, step)
+        looped = [towers[0].loop(optimizer, model_fn, update_ops, k, first, state, dtypes)]
+        for index in range(1, len(placements)):
+            tower = _Tower(scope, placements[index], sources[index], index, len(placements))
+            first_of_tower = tower.first_micro_batch(optimizer, model_fn, update_ops)
+            looped.append(tower.loop(optimizer, model_fn, update_ops, k, first_of_tower, state, dtypes))
         with tf.compat.v1.name_scope(scope):
-            loss, sums, total = _summed_loop(optimizer, model_fn, source, k, first, state, update_ops,
-                                             _window.sum_dtypes(config, pairs))
+            loss_sum, sums, total = _combined(looped)
         with tf.compat.v1.name_scope(window_scope), tf.control_dependencies([total]):
             done = _window.finish_summed(config, state, step, outer_scope, sums, total)
     with tf.compat.v1.name_scope(scope):
         train_op = tf.group(done, name="train")
-        loss = tf.cast(loss, first.loss.dtype.base_dtype, name="loss")
+        loss = tf.cast(loss_sum / total, first.loss.dtype.base_dtype, name="loss")
         k = tf.cast(k, tf.int64, name="window_size")
     window = _window.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)))
     return SubdividedTraining(optimizer._register(window, step), loss, k)
+
+
+class _Tower(object):
+    """One device's share of a run: its first micro-batch (built outside the loop) and its loop."""
+
+    def __init__(self, scope, placement, source, index, count):
+        self._scope = scope + ("tower_%d/" % index if count > 1 else "")
+        self._placement, self._source, self._index = placement, source, index
+        self._reuse = True if index else None
+        self._var_scope = tf.compat.v1.get_variable_scope()
+
+    def _building(self):
+        """The tower's scopes: its name, device function and (after the first tower) variable reuse."""
+        return _Scopes([tf.compat.v1.name_scope(self._scope),
+                        tf.compat.v1.variable_scope(self._var_scope, reuse=self._reuse, auxiliary_name_scope=False),
+                        tf.compat.v1.device(self._placement)])
+
+    def first_micro_batch(self, optimizer, model_fn, update_ops):
+        with self._building(), tf.compat.v1.name_scope("micro_batch_0"):
+            return _micro_batch(optimizer, model_fn, self._source(0), _tower_update_ops(update_ops, self._index),
+                                keep=True)
+
+    def loop(self, optimizer, model_fn, update_ops, k, first, state, dtypes):
+        self._reuse = True  # The loop's micro-batches reuse the first one's variables.
+        with self._building():
+            return _summed_loop(optimizer, model_fn, self._source, k, first, state,
+                                _tower_update_ops(update_ops, self._index), dtypes)
+
+
+class _Scopes(object):
+    """Enters several context managers in order, and leaves them in reverse."""
+
+    def __init__(self, managers):
+        self._managers = managers
+
+    def __enter__(self):
+        for manager in self._managers:
+            manager.__enter__()
+
+    def __exit__(self, *exc):
+        for manager in reversed(self._managers):
+            manager.__exit__(*exc)
+        return False
+
+
+def _tower_update_ops(update_ops, index):
+    """What a tower runs: its own update ops unless ``"first"`` keeps only tower 0's."""
+    return [] if update_ops == "first" and index else update_ops
+
+
+def _placements(devices, variables_device):
+    """One device function per tower (``[None]``: one tower, the default placement)."""
+    if devices is None:
+        return [None]
+    checked = tower._check_devices(devices)
+    variables_device = tower._check_device(variables_device, "variables_device")
+    return [tower._device_function(device, variables_device) for device in checked]
+
+
+def _combined(looped):
+    """The towers' ``(loss sum, pairs, total)`` added: dense sums on their variable's device, sparse rows joined."""
+    if len(looped) == 1:
+        return looped[0]
+    loss_sum = tf.add_n([loss for loss, _, _ in looped])
+    total = tf.add_n([weight for _, _, weight in looped])
+    pairs = []
+    for per_tower in zip(*[sums for _, sums, _ in looped]):
+        grads, var = [grad for grad, _ in per_tower], per_tower[0][1]
+        with tf.compat.v1.device(var.device):
+            if isinstance(grads[0], tf.IndexedSlices):
+                pairs.append((tf.IndexedSlices(tf.concat([g.values for g in grads], 0),
+                                               tf.concat([g.indices for g in grads], 0), grads[0].dense_shape), var))
+            else:
+                pairs.append((tf.add_n(grads), var))
+    return loss_sum, pairs, total
 
 
 # ------------------------------------------------------------------ checks
@@ -173,23 +263,32 @@ def _loop_bound(optimizer, global_step):
 # ------------------------------------------------------------------ inputs
 
 
-def _input_source(inputs):
-    """``source_for(k)``, where ``source_for(k)(i)`` is ``(tensors, size)`` of micro-batch i."""
+def _input_sources(inputs, k, towers):
+    """One source per tower: ``source(i)`` is ``(tensors, size)`` of the tower's micro-batch i."""
     if callable(inputs) and not isinstance(inputs, (tf.Tensor, tf.Variable)):
-        return lambda k: lambda i: _pulled(inputs)
+        return [lambda i: _pulled(inputs)] * towers
     tensors = _as_tensors(inputs, "inputs")
+    k_static = tf.get_static_value(k)
+    n = _checked_batch(tensors, k * towers if k_static is None else int(k_static) * towers)
 
-    def source_for(k):
-        n = _checked_batch(tensors, k)
-        base, extra = n // k, n % k
+    def source_for(tower_index):
+        shard_start, shard_size = _part(n, towers, tower_index)
 
         def source(i):
-            # The first `extra` micro-batches take one example more.
-            start = i * base + tf.minimum(i, extra)
-            size = base + tf.cast(i < extra, tf.int32)
+            start, size = _part(shard_size, k, i)
+            start += shard_start
             return [tensor[start:start + size] for tensor in tensors], size
         return source
-    return source_for
+    return [source_for(index) for index in range(towers)]
+
+
+def _part(n, parts, index):
+    """``(start, size)`` of part ``index`` of ``n`` examples cut into ``parts`` that differ by at most one.
+
+    The first ``n % parts`` parts take one example more.
+    """
+    base, extra = n // parts, n % parts
+    return index * base + tf.minimum(index, extra), base + tf.cast(index < extra, tf.int32)
 
 
 def _pulled(inputs):
@@ -225,12 +324,13 @@ def _checked_batch(tensors, k):
         raise ValueError("`inputs` must have the same leading (batch) dimension, got %s" % known)
     k_static = tf.get_static_value(k)
     if known and k_static is not None and known[0] < k_static:
-        raise ValueError("`inputs` must hold at least num_micro_batches (%d) examples, got a batch of %d"
+        raise ValueError("`inputs` must hold at least num_micro_batches x towers (%d) examples, got a batch of %d"
                          % (k_static, known[0]))
     n = tf.shape(tensors[0], name="batch_size")[0]
     checks = [tf.compat.v1.assert_greater_equal(
         n, k, name="enough_examples",
-        message="`inputs` must hold at least num_micro_batches examples (one per micro-batch); batch, k:")]
+        message="`inputs` must hold at least num_micro_batches x towers examples (one per micro-batch); "
+                "batch, needed:")]
     checks.extend(tf.compat.v1.assert_equal(
         tf.shape(tensor)[0], n, name="same_batch_%d" % index,
         message="`inputs` must have the same leading (batch) dimension; input %d differs:" % index)
@@ -287,7 +387,7 @@ def _loss_and_weight(result, size):
 
 
 def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtypes):
-    """``(mean loss, [(sum_i w_i g_i, var)], sum_i w_i)`` over micro-batches 0..k-1.
+    """``(sum_i w_i loss_i, [(sum_i w_i g_i, var)], sum_i w_i)`` over micro-batches 0..k-1.
 
     Micro-batch 0 (``first``) starts the sums; micro-batches 1..k-1 are added
     in a ``tf.while_loop``. A dense sum is a loop value; a sparse one is a
@@ -319,8 +419,7 @@ def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtype
     final = tf.compat.v1.while_loop(lambda i, *_: i < k, body, initial, back_prop=False, parallel_iterations=1,
                                     name="micro_batches")
     _, loss_sum, total = final[:3]
-    sums = _finished_sums(final[3:], first.pairs)
-    return loss_sum / total, sums, total
+    return loss_sum, _finished_sums(final[3:], first.pairs), total
 
 
 def _start_sums(first, grad_dtypes):

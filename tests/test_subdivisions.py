@@ -237,6 +237,26 @@ def test_no_apply_overtakes_a_backward_pass_in_repeated_runs():
             np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("towers, k", [(2, 3), (3, 2)])
+def test_towers_each_loop_over_their_shard(towers, k):
+    """23 examples over 2 towers of 3 micro-batches (12: 4, 4, 4; 11: 4, 4, 3), or 3 towers of 2."""
+    batches = _batches()
+    expected, expected_losses = _plain(OPTIMIZERS["adam"], batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), k)
+        devices = ["/cpu:%d" % i for i in range(towers)]
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds, devices=devices,
+                                                 global_step=v1.train.get_or_create_global_step())
+        assert len(v1.trainable_variables()) == 5  # Shared, not copied.
+        config = v1.ConfigProto(device_count={"CPU": towers})
+        with v1.Session(config=config) as sess:
+            sess.run(v1.global_variables_initializer())
+            losses = [sess.run([result.loss, result.train_op], dict(zip(feeds, b)))[0] for b in batches]
+            _assert_equal_values(_values(sess, acc), expected)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-12)
+
+
 # ------------------------------------------------------------------ the window's features
 
 
@@ -404,7 +424,7 @@ def test_a_batch_smaller_than_k_is_an_error_when_it_runs():
 def test_a_static_batch_smaller_than_k_is_an_error_when_built():
     with tf.Graph().as_default():
         inputs = [tf.constant(X[:3]), tf.constant(IDS[:3]), tf.constant(Y[:3])]
-        with pytest.raises(ValueError, match=r"at least num_micro_batches \(4\) examples, got a batch of 3"):
+        with pytest.raises(ValueError, match=r"at least num_micro_batches x towers \(4\) examples, got a batch of 3"):
             _build(inputs=inputs)
 
 
