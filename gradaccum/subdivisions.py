@@ -406,7 +406,10 @@ def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtype
     def body(i, loss_sum, total, *sums):
         # The variables exist: micro-batches 1..k-1 reuse the first one's.
         with tf.compat.v1.variable_scope(var_scope, reuse=True, auxiliary_name_scope=False):
-            micro = _micro_batch(optimizer, model_fn, source(i), update_ops, keep=False, var_list=variables)
+            # A reducer's compute_gradients may exchange (the collective engine's first-run sync):
+            # micro-batch 0 did that, outside the loop; inside it, its wrapped optimizer's.
+            inner = optimizer if optimizer._reducer is None else optimizer._reducer.optimizer
+            micro = _micro_batch(inner, model_fn, source(i), update_ops, keep=False, var_list=variables)
         with tf.control_dependencies(micro.to_run):
             added = _add_to_sums(list(sums), micro, i, grad_dtypes)
             weight = tf.cast(micro.weight, sum_dtype)
