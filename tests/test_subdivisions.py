@@ -338,6 +338,47 @@ def test_statistics_see_each_micro_batch_as_the_fused_train_op_does():
     _assert_equal_values(actual, expected)
 
 
+def _adaptive(subdivide, updates=6, micro=4):
+    """AdaptiveBatch over micro-batches of 4 of a 200-example stream: the k it chooses and the end state."""
+    rng = np.random.RandomState(11)
+    x, ids, y = rng.randn(400, 4), rng.randint(0, 5, 400).astype(np.int32), rng.randn(400)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        step = v1.train.get_or_create_global_step()
+        policy = gradaccum.AdaptiveBatch(micro_batch_size=micro, min_micro_batches=2, max_micro_batches=8, rule="sgd")
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["sgd"](), policy)
+        if subdivide:
+            result = gradaccum.subdivisions.minimize(acc, _model, feeds, global_step=step)
+            size, train_op = result.num_micro_batches, result.train_op
+        else:
+            train_op = acc.minimize(_model(*feeds), global_step=step, weight=tf.shape(feeds[2])[0])
+            size = acc.window_size
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            start, sizes = 0, []
+            for _ in range(updates):
+                k = int(sess.run(size))
+                sizes.append(k)
+                if subdivide:
+                    window = slice(start, start + k * micro)
+                    sess.run(train_op, {f: a[window] for f, a in zip(feeds, (x, ids, y))})
+                for i in range(0 if subdivide else k):
+                    part = slice(start + i * micro, start + (i + 1) * micro)
+                    sess.run(train_op, {f: a[part] for f, a in zip(feeds, (x, ids, y))})
+                start += k * micro
+            return sizes, _values(sess, acc), sess.run(acc.statistics.variables)
+
+
+def test_adaptive_batch_chooses_as_the_fused_train_op_does():
+    """The policy reads the statistics of the loop's micro-batches and sets the next run's k."""
+    sizes, values, stats = _adaptive(True)
+    expected_sizes, expected_values, expected_stats = _adaptive(False)
+    assert sizes == expected_sizes and len(set(sizes)) > 1, sizes
+    _assert_equal_values(values, expected_values)
+    for got, want in zip(stats, expected_stats):
+        np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
 def _bn_model(x, y):
     h = v1.layers.batch_normalization(x, training=True, name="bn", momentum=0.5)
     w = v1.get_variable("w", dtype=tf.float64, initializer=np.array([[0.3], [-0.2], [0.1], [0.5]]))
