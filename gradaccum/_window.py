@@ -405,9 +405,14 @@ def sum_dtypes(config, pairs):
     return grads, _sum_dtype(pairs, config.accumulation_dtype)
 
 
-def added(state, micro_batch):
-    """The observers' ops for one :class:`gradaccum.observers.MicroBatch` (a list)."""
-    return _notify(state.observers, "added", micro_batch)
+def added(state, micro_batch, made_only=False):
+    """The observers' ops for one :class:`gradaccum.observers.MicroBatch` (a list).
+
+    ``made_only``: only the accumulator's own observers (statistics, a
+    policy, those given), not the step's window batch-norm statistics.
+    """
+    observers = state.observers[:state.made] if made_only else state.observers
+    return _notify(observers, "added", micro_batch)
 
 
 def finish_summed(config, state, step, outer_scope, pairs, total):

@@ -524,6 +524,18 @@ class WindowStatistics(WindowObserver):
         del update
         return self.finalize()
 
+    def share_window(self, other):
+        """Folds this call's statistics into ``other``'s window from now on.
+
+        The in-graph form (``gradaccum.subdivisions``) builds a layer once for
+        its first micro-batch and once inside its loop: both calls pool into
+        one window, which ``other`` finalizes.
+
+        Args:
+          other: the first call's ``WindowStatistics`` of the same layer.
+        """
+        self._state = other._variables()
+
     def accumulate(self):
         """Op folding this run's statistics into the window (Chan et al.'s pairwise update).
 

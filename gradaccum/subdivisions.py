@@ -124,7 +124,9 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, var
         towers = [_Tower(scope, placements[0], sources[0], index=0, count=len(placements))]
         first = towers[0].first_micro_batch(optimizer, model_fn, update_ops)
     _, pairs, step, config = optimizer._prepare(first.pairs, _window.Step(global_step, name, None, [], None, False))
-    _refuse(config, first)
+    _refuse(config)
+    # The first micro-batch's window batch-norm statistics observe the window; the others fold into them.
+    step = step._replace(observers=list(first.stats))
     dtypes = _window.sum_dtypes(config, pairs)
     with v1_control_flow(config.ref_step_flow):
         # The window's state and end are named as the fused train op's: checkpoints interchange.
@@ -239,16 +241,12 @@ def _check_arguments(optimizer, model_fn, update_ops, name):
     _validate.check_name(name)
 
 
-def _refuse(config, first):
-    """The combinations the in-graph form does not build, each in one ValueError."""
+def _refuse(config):
+    """What the in-graph form does not build, in one ValueError."""
     if getattr(config.reducer, "shard_cache", False):
         raise ValueError("subdivisions.minimize sums the micro-batches inside one run and reduces once after "
                          "the loop: ShardedAllReduce(shard_cache=True) reduces every micro-batch; use "
                          "shard_cache=False (stage 1) or the fused train op")
-    if split_update_ops(first.update_ops)[1]:
-        raise ValueError("subdivisions.minimize cannot pool window batch norm (gradaccum.batch_normalization "
-                         "with window statistics) over its loop; use the fused train op "
-                         "(GradientAccumulator.minimize), or batch norm that updates per micro-batch")
 
 
 def _loop_bound(optimizer, global_step):
@@ -342,8 +340,9 @@ def _checked_batch(tensors, k):
 # ------------------------------------------------------------------ one micro-batch
 
 # One micro-batch as built: its mean loss and weight, its (gradient,
-# variable) pairs, the update ops it created, and those to run.
-_Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "update_ops", "to_run"])
+# variable) pairs, the plain update ops to run, and its window batch-norm
+# statistics (gradaccum._update_ops), which fold into the window's.
+_Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "to_run", "stats"])
 
 
 def _micro_batch(optimizer, model_fn, source, update_ops, keep, var_list=None):
@@ -366,8 +365,10 @@ def _micro_batch(optimizer, model_fn, source, update_ops, keep, var_list=None):
         if not pairs:
             raise ValueError("No gradients provided for any variable: `model_fn`'s loss %s depends on no "
                              "trainable variable" % _validate.describe(loss))
-    to_run = [] if isinstance(update_ops, (list, tuple)) else created
-    return _Micro(loss, weight, pairs, created, to_run)
+    if isinstance(update_ops, (list, tuple)):  # []: none
+        return _Micro(loss, weight, pairs, [], [])
+    plain, stats = split_update_ops(created)
+    return _Micro(loss, weight, pairs, plain, stats)
 
 
 def _loss_and_weight(result, size):
@@ -396,7 +397,7 @@ def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtype
     """
     variables = [var for _, var in first.pairs]
     grad_dtypes, sum_dtype = dtypes
-    observed = _window.added(state, MicroBatch(first.pairs, first.weight, None))
+    observed = _observed(state, first)
     with tf.control_dependencies(first.to_run + observed):
         start = _start_sums(first, grad_dtypes)
         initial = [tf.constant(1), _weighted_loss(first, sum_dtype), tf.cast(first.weight, sum_dtype)] + start
@@ -414,7 +415,7 @@ def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtype
             added = _add_to_sums(list(sums), micro, i, grad_dtypes)
             weight = tf.cast(micro.weight, sum_dtype)
             # Every micro-batch's update ops and observers run before the next one starts.
-            ops = micro.to_run + _window.added(state, MicroBatch(micro.pairs, micro.weight, None))
+            ops = micro.to_run + _observed(state, micro)
             with tf.control_dependencies(ops):
                 following = tf.add(i, 1, name="next_micro_batch")
             return [following, loss_sum + _weighted_loss(micro, sum_dtype), total + weight] + added
@@ -423,6 +424,20 @@ def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtype
                                     name="micro_batches")
     _, loss_sum, total = final[:3]
     return loss_sum, _finished_sums(final[3:], first.pairs), total
+
+
+def _observed(state, micro):
+    """The observers' ops for one micro-batch: its own, and its batch-norm statistics folded into the window's."""
+    ops = _window.added(state, MicroBatch(micro.pairs, micro.weight, None), made_only=True)
+    window_stats = state.observers[state.made:]
+    if len(micro.stats) != len(window_stats):
+        raise ValueError("`model_fn` built %d window batch-norm layers on this micro-batch and %d on the first; "
+                         "build the same layers on every micro-batch" % (len(micro.stats), len(window_stats)))
+    for stats, window in zip(micro.stats, window_stats):
+        if stats is not window:
+            stats.share_window(window)
+        ops.append(stats.accumulate())
+    return ops
 
 
 def _start_sums(first, grad_dtypes):
