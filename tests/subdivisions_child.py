@@ -2,7 +2,8 @@
 
 Run by ``python -m gradaccum.launch --workers P -- python tests/subdivisions_child.py --out PREFIX``
 (``TF_CONFIG`` names the task). For each engine of ``--engines`` (``collective``:
-``CollectiveAllReduce``; ``stage1``: ``ShardedAllReduce``), every worker builds
+``CollectiveAllReduce``; ``clip``: the same with ``clip_norm=CLIP_NORM``;
+``stage1``: ``ShardedAllReduce``), every worker builds
 the test module's model, takes worker 0's initial values, and runs
 ``UPDATES`` updates, one run each: worker p feeds its share of the batch
 (``SHARES[p]`` examples of it), split into ``K`` micro-batches inside the
@@ -16,6 +17,7 @@ import sys
 import numpy as np
 
 K = 3
+CLIP_NORM = 0.5
 SHARES = (14, 9)  # Of the 23 examples: uneven shares, uneven micro-batches (5, 5, 4 and 3, 3, 3).
 
 
@@ -26,10 +28,11 @@ def _run(tf, engine, config, server, out):
 
     rank = config.compute_tasks.index((config.task_type, config.task_index))
     start = sum(SHARES[:rank])
-    make = gradaccum.CollectiveAllReduce if engine == "collective" else gradaccum.ShardedAllReduce
+    make = gradaccum.ShardedAllReduce if engine == "stage1" else gradaccum.CollectiveAllReduce
+    clip = {"clip_norm": CLIP_NORM} if engine == "clip" else {}
     with tf.Graph().as_default() as graph:
         feeds = shared._placeholders()
-        acc = gradaccum.GradientAccumulator(make(shared.OPTIMIZERS["adam"](), config, timeout_seconds=60), K)
+        acc = gradaccum.GradientAccumulator(make(shared.OPTIMIZERS["adam"](), config, timeout_seconds=60), K, **clip)
         result = gradaccum.subdivisions.minimize(acc, shared._model, feeds,
                                                  global_step=tf.compat.v1.train.get_or_create_global_step())
         broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
@@ -48,7 +51,7 @@ def _run(tf, engine, config, server, out):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--engines", default="collective,stage1")
+    parser.add_argument("--engines", default="collective,clip,stage1")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf

@@ -462,14 +462,20 @@ def test_monitored_session_hooks_count_updates(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_two_collective_workers_equal_one_process_on_the_union(tmp_path):
-    """Worker 0 feeds 14 examples, worker 1 9, each in 3 micro-batches; one all-reduce after the loop."""
+    """Worker 0 feeds 14 examples, worker 1 9, each in 3 micro-batches; one all-reduce after the loop.
+
+    With ``clip_norm`` the sparse rows' squared norm travels with the sums, so
+    the workers clip by the norm ``tf.clip_by_global_norm`` measures on the union.
+    """
     from test_sharded import _run_job
 
     out = str(tmp_path / "run")
     for status, _, stderr in _run_job(2, ["--out", out], child_script=_CHILD):
         assert status == 0, stderr[-3000:]
-    expected, _ = _plain(OPTIMIZERS["adam"], _batches())
-    for engine in ("collective", "stage1"):
+    plain = _plain(OPTIMIZERS["adam"], _batches())[0]
+    clipped = _plain(OPTIMIZERS["adam"], _batches(), clip_norm=0.5)[0]
+    assert not np.allclose(plain["w"], clipped["w"])  # The clip acts.
+    for engine, expected in (("collective", plain), ("clip", clipped), ("stage1", plain)):
         for rank in (0, 1):
             got = dict(np.load("%s-%s-worker%d.npz" % (out, engine, rank)))
             # Stage 1 keeps Adam's moments on their owner only: compare the model there.
