@@ -1,7 +1,8 @@
 """Train a batch-norm CNN on Fashion-MNIST, a batch of 5,000 in 50 micro-batches of 100.
 
 GradientAccumulator applies the average gradient of 50 micro-batches once: the update of a
-batch of 5,000 in the memory of 100. global_step counts updates, as the schedule does."""
+batch of 5,000 in the memory of 100. global_step counts updates, as the schedule does.
+With --in-graph, one session.run per update splits the whole batch inside the graph."""
 import argparse
 import importlib.util
 import json
@@ -52,17 +53,25 @@ def learning_rate(step, peak, warmup, total):
     return tf.where(step < warmup, peak * (step + 1) / warmup, decay)
 
 
-def build(width, subdivisions, rate, statistics=False):
-    """The placeholders, the model, the loss and the train op (run it once per micro-batch)."""
+def build(width, subdivisions, rate, statistics=False, in_graph=False):
+    """The placeholders, the model, the loss and the train op (run once per micro-batch, or per update)."""
     images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1], name="images")
     labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
     is_training = tf.compat.v1.placeholder_with_default(True, [], name="is_training")
-    logits = build_logits(images, is_training, width)
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
+    def model_fn(images, labels):
+        logits = build_logits(images, is_training, width)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+
     step = tf.compat.v1.train.get_or_create_global_step()
     adam = tf.compat.v1.train.AdamOptimizer(rate(step) if callable(rate) else rate)
     opt = gradaccum.GradientAccumulator(adam, subdivisions, statistics=statistics)
-    train_op = opt.minimize(loss, global_step=step, weight=tf.shape(images)[0])  # and batch norm's updates
+    if in_graph:  # the whole batch in one run, split into micro-batches in a tf.while_loop
+        train_op, loss, _ = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels], global_step=step)
+    else:
+        loss = model_fn(images, labels)
+        train_op = opt.minimize(loss, global_step=step, weight=tf.shape(images)[0])  # and batch norm's updates
+    logits = build_logits(images, is_training, width)  # the same variables, for the test set
     correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), labels), tf.int32))
     return dict(images=images, labels=labels, is_training=is_training, loss=loss, train_op=train_op,
                 correct=correct, step=step, opt=opt)
@@ -84,6 +93,7 @@ def parse_args(argv=None):
     add("--width", type=int, default=16, help="channels of the first block (16)")
     add("--data-dir", help="a directory with the four Fashion-MNIST IDX files")
     add("--seed", type=int, default=0, help="initial weights and shuffling (0)")
+    add("--in-graph", action="store_true", help="one session.run per update, the batch split inside the graph")
     add("--logdir", help="write TensorBoard summaries here, once per update")
     add("--json", type=argparse.FileType("w"), help="write the run's figures to this file")
     add("--verbose", action="store_true", help="show TensorFlow's log messages")
@@ -110,7 +120,8 @@ def main(args):
     tf.compat.v1.disable_v2_behavior()  # graph mode; TensorFlow 1.x needs no such line
     tf.compat.v1.set_random_seed(args.seed)
     model = build(args.width, k, lambda step: learning_rate(step, args.learning_rate, 10, total),
-                  statistics=args.logdir is not None)
+                  statistics=args.logdir is not None, in_graph=args.in_graph)
+    runs = 1 if args.in_graph else k  # per update; a run takes batch // runs examples
     writer = args.logdir and (tf.compat.v1.summary.FileWriter(args.logdir), gradaccum.summaries(model["opt"]))
     rng, accuracies, x, y = np.random.RandomState(args.seed), [], model["images"], model["labels"]
     widgets = ["update ", progressbar.Counter(), "/%d " % total, progressbar.Bar(), " ", progressbar.ETA()]
@@ -120,8 +131,8 @@ def main(args):
         for epoch in range(args.epochs):
             epoch_start, order, losses = time.time(), rng.permutation(n), []
             for update in range(per_epoch):
-                for i in range(update * k, update * k + k):  # the k-th run applies the update
-                    chosen = order[i * micro:(i + 1) * micro]
+                for i in range(update * runs, update * runs + runs):  # the last run applies the update
+                    chosen = order[i * batch // runs:(i + 1) * batch // runs]
                     feed = {x: data.train_images[chosen], y: data.train_labels[chosen]}
                     losses.append(sess.run([model["train_op"], model["loss"]], feed)[1])
                 step = sess.run(model["step"])
