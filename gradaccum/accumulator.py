@@ -271,16 +271,10 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
 
     def _prepare(self, grads_and_vars, step):
         """Checks a train op's pairs and step; returns ``(grads_and_vars, pairs, step, config)``."""
-        _check_graph_mode()
-        if in_control_flow():
-            raise ValueError(
-                "GradientAccumulator %r must build its train op outside tf.cond and tf.while_loop; "
-                "to combine it with loss scaling, wrap the loss-scale optimizer inside it: "
-                "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % self.get_name()
-            )
+        _check_outside_control_flow(self.get_name())
         grads_and_vars, pairs = _checked_pairs(grads_and_vars)
         weight = _validate.check_scalar_tensor(step.weight, "weight", allow_none=True)
-        self._check_global_step(step.global_step)
+        check_global_step(self, step.global_step)
         update_ops = [] if step.update_ops is None else list(step.update_ops)
         # k = 1 has no window to pool statistics over: every update op is a plain one.
         plain, observers = (update_ops, []) if self._size.k == 1 else split_update_ops(update_ops)
@@ -292,11 +286,6 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
                                 self._loss_scaled, ref_flow)
         return grads_and_vars, pairs, step, config
 
-    def _check_global_step(self, global_step):
-        if self._size.needs_global_step and global_step is None:
-            raise ValueError("`num_micro_batches` %r is a schedule of `global_step` (a callable or a policy): "
-                             "pass `global_step` to minimize or apply_gradients, got None" % (self._given,))
-
     def _register(self, window, step):
         """Records a built window and puts its train op in ``TRAIN_OP``; returns the train op."""
         tf.compat.v1.get_default_graph().add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, window.train_op)
@@ -307,6 +296,30 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
 
 
 # ---------------------------------------------------------------- helpers
+
+def check_global_step(accumulator, global_step):
+    """Raises ``ValueError`` when ``accumulator``'s window size is a schedule of ``global_step`` and it is None.
+
+    Args:
+      accumulator: a :class:`GradientAccumulator`.
+      global_step: the step variable a train op is built with, or ``None``.
+
+    Example:
+      >>> check_global_step(opt, tf.compat.v1.train.get_global_step())
+    """
+    if accumulator._size.needs_global_step and global_step is None:
+        raise ValueError("`num_micro_batches` %r is a schedule of `global_step` (a callable or a policy): "
+                         "pass `global_step` to minimize or apply_gradients, got None" % (accumulator._given,))
+
+
+def _check_outside_control_flow(name):
+    _check_graph_mode()
+    if in_control_flow():
+        raise ValueError(
+            "GradientAccumulator %r must build its train op outside tf.cond and tf.while_loop; "
+            "to combine it with loss scaling, wrap the loss-scale optimizer inside it: "
+            "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % name)
+
 
 def _weight_in_backprop(accumulator, loss, weight, var_list):
     """Whether ``minimize`` folds ``weight`` into ``grad_loss`` (k > 1 windows only).

@@ -37,7 +37,7 @@ from gradaccum import tower
 from gradaccum._compat import tf, v1_control_flow
 from gradaccum._gradients import weighted
 from gradaccum._update_ops import split_update_ops
-from gradaccum.accumulator import GradientAccumulator
+from gradaccum.accumulator import GradientAccumulator, check_global_step
 from gradaccum.observers import MicroBatch
 
 SubdividedTraining = collections.namedtuple("SubdividedTraining", ["train_op", "loss", "num_micro_batches"])
@@ -58,89 +58,56 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, var
              update_ops="first", name="subdivisions"):
     """Builds one train op that splits a batch into k micro-batches inside the graph.
 
-    Each run of ``train_op`` is one update that equals one step of the
-    wrapped optimizer on the whole batch. A fed batch of n examples is cut
-    along axis 0 into k micro-batches whose sizes differ by at most one
-    (the first ones take the remainder); a callable input is called once per
-    micro-batch. Micro-batch i adds ``w_i * gradient_i``, where ``w_i`` is its
-    size (the leading dimension of its first input) or the weight
-    ``model_fn`` returns, and the update applies ``sum_i w_i g_i / sum_i w_i``.
+    One run is one update, equal to the wrapped optimizer's step on the whole
+    batch: micro-batch i adds ``w_i * gradient_i`` (``w_i`` its size, or the
+    weight ``model_fn`` returns), and ``sum_i w_i g_i / sum_i w_i`` is applied.
 
     Args:
-      optimizer: a :class:`gradaccum.GradientAccumulator`; its
-        ``num_micro_batches`` (an int, tensor, schedule or policy, read once
-        per run) is k, and its clipping, skipping, statistics, observers and
-        reducer act on the update as for the fused train op.
-      model_fn: callable taking one micro-batch per input and returning its
-        mean loss, a scalar float tensor, or ``(loss, weight)`` with a scalar
-        weight. Create variables with ``tf.compat.v1.get_variable`` or
-        ``tf.compat.v1.layers``: the first micro-batch creates them.
-      inputs: a tensor, or a list or tuple of tensors with the same leading
-        (batch) dimension, holding the whole batch (placeholders or a
-        ``tf.data`` iterator's whole batch); or a callable without
-        arguments that returns one micro-batch (a tensor, list or tuple),
-        for example an iterator's ``get_next`` over a dataset batched at the
-        micro-batch size, so that the whole batch never exists in memory.
+      optimizer: a :class:`gradaccum.GradientAccumulator`: its
+        ``num_micro_batches`` is k (an int, or a tensor, schedule or policy
+        read once per run); its clipping, skipping, observers and reducer act
+        as for the fused train op.
+      model_fn: callable taking one micro-batch per input, returning its mean
+        loss (a scalar float tensor) or ``(loss, weight)``. The first
+        micro-batch creates the variables (``tf.compat.v1.get_variable``,
+        ``tf.compat.v1.layers``); the others reuse them.
+      inputs: the whole batch, a tensor or a list of tensors cut along axis 0
+        into micro-batches whose sizes differ by at most one; or a callable
+        without arguments returning one micro-batch, called k times per run.
       global_step: optional variable, incremented once per applied update.
-      devices: ``None`` (one device, the default placement), or a list of
-        device strings, one tower each: the batch is first split into one
-        shard per tower, and each tower loops over its shard's k
-        micro-batches on its device (a callable input is called by each
-        tower for its own micro-batches), so one run sees towers x k
-        micro-batches; the towers' sums are added before the window's end.
+      devices: ``None``, or one device string per tower: each tower loops
+        over its shard's k micro-batches (a callable input: over its own pulls).
       variables_device: with ``devices``, where the variables are created.
-      update_ops: ``"first"`` runs the ``UPDATE_OPS`` that the first tower's
-        ``model_fn`` creates, ``"all"`` every tower's (the same on one
-        device), on every micro-batch before its gradients are added; ``[]``
-        runs none.
-      name: name scope of the loops and of the first micro-batches' models.
+      update_ops: ``"first"`` (the first tower's ``UPDATE_OPS``), ``"all"``
+        (every tower's), run on every micro-batch; or ``[]``, none.
+      name: name scope of the loops and the first micro-batches' models.
 
     Returns:
       A :class:`SubdividedTraining` ``(train_op, loss, num_micro_batches)``.
 
     Raises:
-      TypeError: when ``optimizer`` is not a ``GradientAccumulator``,
-        ``model_fn`` is not callable, ``inputs`` are not tensors, or
-        ``model_fn`` returns no scalar float loss.
-      ValueError: for a static batch smaller than a static k, mismatched
-        static batch sizes, a bad ``update_ops`` or ``name``, or what the
-        in-graph form refuses (window batch norm,
-        ``ShardedAllReduce(shard_cache=True)``).
-      tf.errors.InvalidArgumentError: when run with fewer examples than k.
+      TypeError: for a non-accumulator, a non-callable ``model_fn``,
+        non-tensor inputs, or no scalar float loss.
+      ValueError: for a static batch below k x towers, a bad ``update_ops``,
+        ``name`` or device, or ``ShardedAllReduce(shard_cache=True)``.
 
     Example:
       >>> opt = gradaccum.GradientAccumulator(tf.compat.v1.train.AdamOptimizer(1e-3), 50)
-      >>> result = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels],
-      ...                                          global_step=step)
+      >>> result = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels])
       >>> sess.run(result.train_op, {images: batch_x, labels: batch_y})  # one update
     """
     _check_arguments(optimizer, model_fn, update_ops, name)
-    optimizer._check_global_step(global_step)
+    check_global_step(optimizer, global_step)
     placements = _placements(devices, variables_device)
     outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
     with tf.compat.v1.name_scope(name) as scope:
         k = _loop_bound(optimizer, global_step)
-        sources = _input_sources(inputs, k, len(placements))
-        towers = [_Tower(scope, placements[0], sources[0], index=0, count=len(placements))]
-        first = towers[0].first_micro_batch(optimizer, model_fn, update_ops)
+        towers = _towers(scope, _Model(optimizer, model_fn, update_ops), placements,
+                         _input_sources(inputs, k, len(placements)))
+        first = towers[0].build_first()
     _, pairs, step, config = optimizer._prepare(first.pairs, _window.Step(global_step, name, None, [], None, False))
-    _refuse(config)
-    # The first micro-batch's window batch-norm statistics observe the window; the others fold into them.
-    step = step._replace(observers=list(first.stats))
-    dtypes = _window.sum_dtypes(config, pairs)
     with v1_control_flow(config.ref_step_flow):
-        # The window's state and end are named as the fused train op's: checkpoints interchange.
-        with tf.compat.v1.name_scope(config.name) as window_scope:
-            state = _window.summed_state(config, pairs, step)
-        looped = [towers[0].loop(optimizer, model_fn, update_ops, k, first, state, dtypes)]
-        for index in range(1, len(placements)):
-            tower = _Tower(scope, placements[index], sources[index], index, len(placements))
-            first_of_tower = tower.first_micro_batch(optimizer, model_fn, update_ops)
-            looped.append(tower.loop(optimizer, model_fn, update_ops, k, first_of_tower, state, dtypes))
-        with tf.compat.v1.name_scope(scope):
-            loss_sum, sums, total = _combined(looped)
-        with tf.compat.v1.name_scope(window_scope), tf.control_dependencies([total]):
-            done = _window.finish_summed(config, state, step, outer_scope, sums, total)
+        done, state, loss_sum, total = _looped_window(config, step, towers, k, outer_scope)
     with tf.compat.v1.name_scope(scope):
         train_op = tf.group(done, name="train")
         loss = tf.cast(loss_sum / total, first.loss.dtype.base_dtype, name="loss")
@@ -149,14 +116,45 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, var
     return SubdividedTraining(optimizer._register(window, step), loss, k)
 
 
+def _looped_window(config, step, towers, k, outer_scope):
+    """Every tower's loop, their sums added, and the window's end: ``(op, state, loss sum, total weight)``."""
+    _refuse(config)
+    pairs = towers[0].first.pairs
+    # The first micro-batch's window batch-norm statistics observe the window; the others fold into them.
+    step = step._replace(observers=list(towers[0].first.stats))
+    # The window's state and end are named as the fused train op's: checkpoints interchange.
+    with tf.compat.v1.name_scope(config.name) as window_scope:
+        state = _window.summed_state(config, pairs, step)
+    dtypes = _window.sum_dtypes(config, pairs)
+    looped = [tower.loop(k, state, dtypes) for tower in towers]
+    with tf.compat.v1.name_scope(window_scope):
+        loss_sum, sums, total = _combined(looped)
+        with tf.control_dependencies([total]):
+            done = _window.finish_summed(config, state, step, outer_scope, sums, total)
+    return done, state, loss_sum, total
+
+
+# What every micro-batch is built from: the accumulator, the model function,
+# and the update-ops choice of its tower ("first" gives the other towers []).
+_Model = collections.namedtuple("_Model", ["optimizer", "model_fn", "update_ops"])
+
+
+def _towers(scope, model, placements, sources):
+    """One :class:`_Tower` per placement; ``update_ops="first"`` gives the towers after the first none."""
+    count = len(placements)
+    return [_Tower(scope, model._replace(update_ops=_tower_update_ops(model.update_ops, index)), placement,
+                   source, index, count) for index, (placement, source) in enumerate(zip(placements, sources))]
+
+
 class _Tower(object):
     """One device's share of a run: its first micro-batch (built outside the loop) and its loop."""
 
-    def __init__(self, scope, placement, source, index, count):
+    def __init__(self, scope, model, placement, source, index, count):
         self._scope = scope + ("tower_%d/" % index if count > 1 else "")
-        self._placement, self._source, self._index = placement, source, index
+        self._model, self._placement, self._source = model, placement, source
         self._reuse = True if index else None
         self._var_scope = tf.compat.v1.get_variable_scope()
+        self.first = None
 
     def _building(self):
         """The tower's scopes: its name, device function and (after the first tower) variable reuse."""
@@ -164,16 +162,19 @@ class _Tower(object):
                         tf.compat.v1.variable_scope(self._var_scope, reuse=self._reuse, auxiliary_name_scope=False),
                         tf.compat.v1.device(self._placement)])
 
-    def first_micro_batch(self, optimizer, model_fn, update_ops):
+    def build_first(self):
+        """Builds and keeps the tower's micro-batch 0; returns it."""
         with self._building(), tf.compat.v1.name_scope("micro_batch_0"):
-            return _micro_batch(optimizer, model_fn, self._source(0), _tower_update_ops(update_ops, self._index),
-                                keep=True)
+            self.first = _micro_batch(self._model, self._source(0), keep=True)
+        return self.first
 
-    def loop(self, optimizer, model_fn, update_ops, k, first, state, dtypes):
+    def loop(self, k, state, dtypes):
+        """The tower's ``(loss sum, sums, total)`` over its k micro-batches."""
+        if self.first is None:
+            self.build_first()
         self._reuse = True  # The loop's micro-batches reuse the first one's variables.
         with self._building():
-            return _summed_loop(optimizer, model_fn, self._source, k, first, state,
-                                _tower_update_ops(update_ops, self._index), dtypes)
+            return _summed_loop(self._model, self._source, k, self.first, state, dtypes)
 
 
 class _Scopes(object):
@@ -345,17 +346,18 @@ def _checked_batch(tensors, k):
 _Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "to_run", "stats"])
 
 
-def _micro_batch(optimizer, model_fn, source, update_ops, keep, var_list=None):
-    """Builds ``model_fn`` on one micro-batch and its gradients.
+def _micro_batch(model, source, keep, var_list=None, optimizer=None):
+    """Builds ``model_fn`` on one micro-batch and its gradients (by ``optimizer``, else the model's).
 
     ``keep``: leave the update ops it creates in ``UPDATE_OPS`` (the first
     micro-batch's, outside the loop); inside the loop they are taken out.
     """
     tensors, size = source
+    optimizer, update_ops = optimizer or model.optimizer, model.update_ops
     graph = tf.compat.v1.get_default_graph()
     updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
     before = len(updates)
-    loss, weight = _loss_and_weight(model_fn(*tensors), size)
+    loss, weight = _loss_and_weight(model.model_fn(*tensors), size)
     created = list(updates[before:])
     if not keep:
         del updates[before:]
@@ -387,7 +389,7 @@ def _loss_and_weight(result, size):
 # ------------------------------------------------------------------ the loop
 
 
-def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtypes):
+def _summed_loop(model, source, k, first, state, dtypes):
     """``(sum_i w_i loss_i, [(sum_i w_i g_i, var)], sum_i w_i)`` over micro-batches 0..k-1.
 
     Micro-batch 0 (``first``) starts the sums; micro-batches 1..k-1 are added
@@ -409,8 +411,9 @@ def _summed_loop(optimizer, model_fn, source, k, first, state, update_ops, dtype
         with tf.compat.v1.variable_scope(var_scope, reuse=True, auxiliary_name_scope=False):
             # A reducer's compute_gradients may exchange (the collective engine's first-run sync):
             # micro-batch 0 did that, outside the loop; inside it, its wrapped optimizer's.
-            inner = optimizer if optimizer._reducer is None else optimizer._reducer.optimizer
-            micro = _micro_batch(inner, model_fn, source(i), update_ops, keep=False, var_list=variables)
+            reducer = model.optimizer._reducer
+            micro = _micro_batch(model, source(i), keep=False, var_list=variables,
+                                 optimizer=None if reducer is None else reducer.optimizer)
         with tf.control_dependencies(micro.to_run):
             added = _add_to_sums(list(sums), micro, i, grad_dtypes)
             weight = tf.cast(micro.weight, sum_dtype)

@@ -206,8 +206,12 @@ def _run(tf, args, config, server, run, after_training):
                  **dict(values, **dict(("stats_" + name, np.array([t[name] for t in trace])) for name in stats)))
 
 
-def main(argv=None):
-    args = _parse(argv)
+def start_worker():
+    """TensorFlow in the test run's behaviour, this task's config and its started server, every task up.
+
+    Returns:
+      ``(tf, config, server)``.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
@@ -220,6 +224,14 @@ def main(argv=None):
     config = cluster.from_environment()
     server = cluster.start_server(config, cluster.collective_session_config(config))
     cluster.wait_for_tasks(config, timeout_seconds=60)
+    return tf, config, server
+
+
+def main(argv=None):
+    args = _parse(argv)
+    tf, config, server = start_worker()
+    from gradaccum import cluster
+
     beat = cluster.Heartbeat(server, config, timeout_seconds=3.0).start()
     runs = args.runs.split(",")
     for i, run in enumerate(runs):

@@ -16,6 +16,8 @@ import sys
 
 import numpy as np
 
+import sharded_child
+
 K = 3
 CLIP_NORM = 0.5
 SHARES = (14, 9)  # Of the 23 examples: uneven shares, uneven micro-batches (5, 5, 4 and 3, 3, 3).
@@ -53,18 +55,7 @@ def main(argv=None):
     parser.add_argument("--out", required=True)
     parser.add_argument("--engines", default="collective,clip,stage1")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
-
-    if os.environ.get("GRADACCUM_TF_MODE", "tf1") == "tf1":
-        tf.compat.v1.disable_v2_behavior()
-    else:
-        tf.compat.v1.disable_eager_execution()
-    from gradaccum import cluster
-
-    config = cluster.from_environment()
-    server = cluster.start_server(config, cluster.collective_session_config(config))
-    cluster.wait_for_tasks(config, timeout_seconds=60)
+    tf, config, server = sharded_child.start_worker()
     for engine in args.engines.split(","):
         _run(tf, engine, config, server, args.out)
     return 0
