@@ -239,8 +239,12 @@ def main(argv=None):
     return 0
 
 
-if __name__ == "__main__":
-    status = main()
+def exit_now(status):
+    """Exits at once with ``status``, output flushed: tearing down TensorFlow's gRPC server takes seconds."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)  # Not sys.exit: tearing down TensorFlow's gRPC server at exit takes seconds.
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    exit_now(main())

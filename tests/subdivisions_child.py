@@ -11,8 +11,6 @@ graph, and one all-reduce after the loop sums the workers' weighted sums.
 It writes every model variable and Adam slot into ``<PREFIX>-<engine>-worker<p>.npz``.
 """
 import argparse
-import os
-import sys
 
 import numpy as np
 
@@ -62,7 +60,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    status = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)  # Not sys.exit: tearing down TensorFlow's gRPC server at exit takes seconds.
+    sharded_child.exit_now(main())
