@@ -29,6 +29,8 @@ OPTIMIZERS = {
     "adam": lambda: v1.train.AdamOptimizer(0.05),
     "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
     "rmsprop": lambda: v1.train.RMSPropOptimizer(0.05),
+    "ftrl": lambda: v1.train.FtrlOptimizer(0.1),
+    "adadelta": lambda: v1.train.AdadeltaOptimizer(1.0),
     # Written for dense gradients, as BERT's are: trained on _dense_model.
     "bert_adamw": lambda: AdamWeightDecay(0.05, weight_decay_rate=0.01, exclude_from_weight_decay=["b"]),
     "lamb": lambda: Lamb(0.05, weight_decay_rate=0.01),
@@ -163,6 +165,56 @@ def test_window_size_is_read_once_per_run():
                 assert read == size
             actual = _values(sess, acc)
     del actual["k"]
+    _assert_equal_values(actual, expected)
+
+
+def test_window_size_may_follow_a_schedule_of_global_step():
+    """k = 2, then 5, then 23 (one example each) as the step moves: each run reads the k of its step."""
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["momentum"], batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["momentum"](), gradaccum.step_schedule([1, 2], [2, 5, 23]))
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds, global_step=v1.train.get_or_create_global_step())
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            read = [sess.run([result.num_micro_batches, result.train_op], dict(zip(feeds, b)))[0] for b in batches]
+            actual = _values(sess, acc)
+    assert read == [2, 5, 23]
+    _assert_equal_values(actual, expected)
+
+
+class _CountingReducer(gradaccum.Reducer):
+    """One process's reducer that counts the exchanges it builds and keeps the total weight it was given."""
+
+    def __init__(self, optimizer):
+        super(_CountingReducer, self).__init__(optimizer, "counting")
+        self.built = 0
+        self.given_total = v1.get_variable("given_total", [], tf.float64, trainable=False, use_resource=True)
+
+    def reduce(self, sums_and_vars, total, extras):
+        self.built += 1
+        with tf.control_dependencies([self.given_total.assign(total)]):
+            return list(sums_and_vars), tf.identity(total), list(extras)
+
+
+def test_a_reducer_exchanges_once_per_run_after_the_loop():
+    """The window's sums reach the reducer once, after the loop: the whole batch's weight, 23."""
+    batches = _batches()
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        reducer = _CountingReducer(OPTIMIZERS["adam"]())
+        acc = gradaccum.GradientAccumulator(reducer, 4)
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds, global_step=v1.train.get_or_create_global_step())
+        assert reducer.built == 1
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                sess.run(result.train_op, dict(zip(feeds, batch)))
+                assert sess.run(reducer.given_total) == len(Y)
+            actual = _values(sess, acc)
+    del actual["given_total"]
     _assert_equal_values(actual, expected)
 
 
