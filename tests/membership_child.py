@@ -46,13 +46,14 @@ def _reducer(gradaccum, engine, config):
                                               shard_cache=engine == "stage2")
 
 
-def _save(sess, saver, graph, engine, config, directory, step):
+def _save(sess, saver, engine, config, directory, step):
     from gradaccum import consolidate
 
     if engine != "collective":
         directory = consolidate.shard_directory(directory, config)
     elif not config.is_chief:
         return
+    os.makedirs(directory, exist_ok=True)
     saver.save(sess, os.path.join(directory, "model.ckpt"), global_step=step)
 
 
@@ -91,7 +92,7 @@ def _run(args, config, server, engine, after_training):
         for step in _train(sess, graph, membership, args, start):
             if step == start + 1 and restored and membership.num_workers == 2 and config.is_chief:
                 print("first update on 2 workers at %.6f" % time.time(), flush=True)
-            _save(sess, saver, graph, engine, config, directory, step)
+            _save(sess, saver, engine, config, directory, step)
         after_training()  # No collective runs after this: a peer that exits first is not a failure.
         values = sess.run(dict(graph["variables"], **adam))
         np.savez("%s-%s-worker%d.npz" % (args.out, engine, membership.rank), step=sess.run(graph["step"]),

@@ -416,12 +416,12 @@ def test_stage2_shards_consolidate_at_a_window_end_only(micro_step, tmp_path):
 # ------------------------------------------------------------ multi-process
 
 
-def _run_job(workers, args, timeout=150):
+def _run_job(workers, args, timeout=150, child_script=_CHILD):
     """Starts ``workers`` loopback children; returns their (status, stdout, stderr), killing all on timeout."""
     from gradaccum import launch
 
     spec = launch.build_cluster(workers, 0, "127.0.0.1", launch.pick_free_ports(workers))
-    procs = [subprocess.Popen([sys.executable, _CHILD] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, child_script] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               universal_newlines=True,
                               env=dict(_env(), TF_CONFIG=launch.tf_config_for(spec, "worker", i)))
              for i in range(workers)]
