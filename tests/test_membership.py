@@ -174,3 +174,30 @@ def test_a_scheduler_that_grows_the_job_from_2_to_3_workers_resumes_every_engine
     for engine in ("collective", "sharded", "stage2"):
         assert "%s: 3 workers, k = 2, from global_step 3 (restored)" % engine in second[0][1], second[0][1]
         _assert_equal_to_one_process(out, engine, 3, _reference(_UPDATES))
+
+
+def _launch_with_restarts(engine, tmp_path):
+    """3 workers under the launcher; worker 2 is SIGKILLed mid-window of update 3; returns (stdout, stderr)."""
+    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    command = _LAUNCH_MODULE + ["--workers", "3", "--max-restarts", "1", "--min-workers", "2", "--grace", "2",
+                                "--checkpoint-dir", os.path.join(ckpt, engine), "--", sys.executable, _CHILD,
+                                "--engines", engine, "--updates", str(_UPDATES), "--kill-at", "3",
+                                "--checkpoint-dir", ckpt, "--out", out]
+    proc = subprocess.run(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=150)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return out, proc.stdout, proc.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", ["collective", "stage2"])
+def test_a_worker_killed_mid_window_restarts_the_job_on_2_workers_which_equals_one_process(engine, tmp_path):
+    out, printed, said = _launch_with_restarts(engine, tmp_path)
+    assert re.search(r"^gradaccum\.launch: restart 1 of 1: worker:2 died with signal 9 \(SIGKILL\); restarting 2 "
+                     r"workers from global step 3$", said, re.M), said
+    assert "[worker:0] %s: 2 workers, k = 3, from global_step 3 (restored)" % engine in printed, printed[-3000:]
+    gap = _assert_equal_to_one_process(out, engine, 2, _reference(_UPDATES))
+    killed = float(re.search(r"^\[worker:2\] killed at ([\d.]+)$", printed, re.M).group(1))
+    first = float(re.search(r"^\[worker:0\] first update on 2 workers at ([\d.]+)$", printed, re.M).group(1))
+    print("\n%s, 3 -> 2 workers: %.2f s from the kill to the first update on 2 workers; largest difference "
+          "from one process on the same global batches %.3g" % (engine, first - killed, gap))
