@@ -142,7 +142,7 @@ def _state_steps(directory):
             text = handle.read()
     except OSError:
         return set()
-    return set(int(step) for step in re.findall(r'model_checkpoint_path: ".*-(\d+)"', text))
+    return set(int(step) for step in re.findall(r'model_checkpoint_paths?: ".*-(\d+)"', text))
 
 
 def newest_checkpoint_step(checkpoint_dir):
