@@ -23,6 +23,8 @@ from gradaccum import membership
 from gradaccum._compat import tf
 from test_collective import _config
 from test_distributed import _LAUNCH_MODULE, _env
+from test_deploy import _Tasks, _free_port_pair, scontrol_dir  # noqa: F401  (a fixture)
+from test_deploy import _env as _deploy_env
 from test_sharded import _NAMES, _TOL, _run_job
 
 import membership_child
@@ -174,6 +176,26 @@ def test_a_scheduler_that_grows_the_job_from_2_to_3_workers_resumes_every_engine
     for engine in ("collective", "sharded", "stage2"):
         assert "%s: 3 workers, k = 2, from global_step 3 (restored)" % engine in second[0][1], second[0][1]
         _assert_equal_to_one_process(out, engine, 3, _reference(_UPDATES))
+
+
+@pytest.mark.distributed
+def test_a_slurm_job_requeued_on_3_tasks_after_2_resumes_exactly(scontrol_dir, tmp_path):
+    """``from_environment()`` reads the requeued allocation's srun variables: the new P, the same global batch."""
+    out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
+    for tasks_now, updates in ((2, 3), (3, _UPDATES)):
+        base = _free_port_pair(tasks_now)
+        with _Tasks(tmp_path) as tasks:
+            names = ["p%d-task%d" % (tasks_now, rank) for rank in range(tasks_now)]
+            for rank, name in enumerate(names):  # What srun sets for task `rank` of one node.
+                tasks.start(name, [sys.executable, _CHILD, "--updates", str(updates), "--checkpoint-dir", ckpt,
+                                   "--out", out], _deploy_env(
+                    PATH="%s%s%s" % (scontrol_dir, os.pathsep, os.environ["PATH"]), FAKE_HOSTS="127.0.0.1",
+                    SLURM_PROCID=str(rank), SLURM_NTASKS=str(tasks_now), SLURM_NODEID="0",
+                    SLURM_LOCALID=str(rank), SLURM_STEP_NODELIST="node01",
+                    SLURM_STEP_TASKS_PER_NODE=str(tasks_now), GRADACCUM_PORT_BASE=str(base)))
+            tasks.wait(names)
+    assert "collective: 3 workers, k = 2, from global_step 3 (restored)" in tasks.output("p3-task0")
+    _assert_equal_to_one_process(out, "collective", 3, _reference(_UPDATES))
 
 
 def _launch_with_restarts(engine, tmp_path):
