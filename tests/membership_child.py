@@ -101,12 +101,7 @@ def _run(args, config, server, engine, after_training):
 
 def main(argv=None):
     args = _parse(argv)
-    from gradaccum import cluster
-
-    config = cluster.from_environment()
-    server = cluster.start_server(config, cluster.collective_session_config(config))
-    cluster.wait_for_tasks(config, timeout_seconds=60)
-    beat = cluster.Heartbeat(server, config, timeout_seconds=3.0).start()
+    config, server, beat = sharded_child.serve()
     engines = args.engines.split(",")
     for i, engine in enumerate(engines):
         _run(args, config, server, engine, beat.stop if i == len(engines) - 1 else lambda: None)

@@ -206,6 +206,16 @@ def _run(tf, args, config, server, run, after_training):
                  **dict(values, **dict(("stats_" + name, np.array([t[name] for t in trace])) for name in stats)))
 
 
+def serve():
+    """This task's config, its started server and heartbeat (3 s), once every task answers: a worker's start."""
+    from gradaccum import cluster
+
+    config = cluster.from_environment()
+    server = cluster.start_server(config, cluster.collective_session_config(config))
+    cluster.wait_for_tasks(config, timeout_seconds=60)
+    return config, server, cluster.Heartbeat(server, config, timeout_seconds=3.0).start()
+
+
 def main(argv=None):
     args = _parse(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -215,12 +225,7 @@ def main(argv=None):
         tf.compat.v1.disable_v2_behavior()
     else:
         tf.compat.v1.disable_eager_execution()
-    from gradaccum import cluster
-
-    config = cluster.from_environment()
-    server = cluster.start_server(config, cluster.collective_session_config(config))
-    cluster.wait_for_tasks(config, timeout_seconds=60)
-    beat = cluster.Heartbeat(server, config, timeout_seconds=3.0).start()
+    config, server, beat = serve()
     runs = args.runs.split(",")
     for i, run in enumerate(runs):
         _run(tf, args, config, server, run, beat.stop if i == len(runs) - 1 else lambda: None)
