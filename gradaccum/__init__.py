@@ -4,8 +4,9 @@ For TensorFlow 1.x graph mode (``tf.compat.v1``), TF 1.15 to 2.x. Public
 names are re-exported here explicitly, one per line, and imported on first
 use; the modules ``tower`` (several devices), ``cluster`` (several processes
 and hosts, with its engines ``collective`` and ``ingraph``), ``launch``
-(the one-machine launcher, ``python -m gradaccum.launch``) and ``statistics``
-(the gradient noise scale behind ``summaries``) are public too.
+(the one-machine launcher, ``python -m gradaccum.launch``), ``membership``
+(elastic jobs: the same examples per update on any number of workers) and
+``statistics`` (the gradient noise scale behind ``summaries``) are public too.
 """
 import importlib as _importlib
 import sys as _sys
