@@ -25,7 +25,7 @@ from test_collective import _config
 from test_distributed import _LAUNCH_MODULE, _env
 from test_deploy import _Tasks, _free_port_pair, scontrol_dir  # noqa: F401  (a fixture)
 from test_deploy import _env as _deploy_env
-from test_sharded import _NAMES, _TOL, _run_job
+from test_sharded import _NAMES, _TOL, _run_job, _save_shard
 
 import membership_child
 import sharded_child as child
@@ -130,6 +130,25 @@ def test_a_mid_window_checkpoint_resumes_on_its_own_p_only_and_a_window_end_on_a
     _save_one_micro_batch(end, 2, 2)
     path, step, recorded = _restore(end, 3)
     assert (path.endswith("model.ckpt-1"), step, recorded) == (True, 1, 3)  # and P = 3 is now recorded
+
+
+def test_shards_of_two_counts_give_the_newest_step_and_mid_window_shards_are_refused_on_another_p(tmp_path):
+    directory = str(tmp_path)
+    for rank in (0, 1):
+        _save_shard(rank, 2, directory, step=5, micro_step=1)
+    step, workers, prefixes = membership.newest_checkpoint(directory, 3)
+    assert (step, workers, [os.path.basename(os.path.dirname(p)) for p in prefixes]) == (
+        5, 2, ["shard-0-of-2", "shard-1-of-2"])
+    membership.check_window_ended(prefixes, workers, 2)  # the same P: its own partial windows
+    with pytest.raises(ValueError, match=r"^the checkpoint .*shard-0-of-2.*model\.ckpt-5 was saved by 2 workers "
+                                         r"in the middle of a window \(.*/micro_step = 1\): it resumes only on "
+                                         r"that many workers, not on 3;"):
+        membership.check_window_ended(prefixes, workers, 3)
+    for rank in (0, 1, 2):  # a job resumed on 3 saved a newer step, at a window's end
+        _save_shard(rank, 3, directory, step=7)
+    step, workers, prefixes = membership.newest_checkpoint(directory, 2)
+    assert (step, workers, len(prefixes)) == (7, 3, 3)
+    membership.check_window_ended(prefixes, workers, 2)
 
 
 # ------------------------------------------------------------ multi-process
