@@ -67,7 +67,7 @@ def micro_batches_per_worker(global_batch, micro_batch_size, num_workers):
     return int(math.ceil(global_batch / float(num_workers * micro_batch_size)))
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)  # An update straddles at most two epochs while B <= N.
 def _epoch_order(num_examples, seed, epoch):
     if seed is None:
         return np.arange(num_examples, dtype=np.int64)
