@@ -15,8 +15,9 @@ resumed on another number of workers trains the same updates.
 ``gradaccum_membership/num_workers`` (int64, a non-trainable global variable,
 so in every checkpoint), which records the P that wrote a checkpoint, and
 :meth:`Membership.restore` resumes from the newest checkpoint of either
-layout: the collective engine's ordinary checkpoint (the chief restores it,
-then ``broadcast_variables`` as always) or ``ShardedAllReduce``'s shards,
+layout: the collective engine's ordinary checkpoint (every worker that can
+read it restores it, the others initialise, then ``broadcast_variables`` as
+always) or ``ShardedAllReduce``'s shards,
 consolidated first when they were written by another P. A checkpoint saved in
 the middle of a window resumes only on the P that wrote it: each worker's
 partial sums belong to its own micro-batches.
@@ -246,7 +247,9 @@ class Membership(object):
     """One job's place in an elastic run: its k, its examples per update, and how it resumes.
 
     Creates the variable ``gradaccum_membership/num_workers`` (int64, global,
-    not trainable, initialised to P): build it before the ``Saver``.
+    not trainable, initialised to P): build it before the ``Saver``. A
+    checkpoint written before the job used ``Membership`` lacks it: restore
+    that one once with a ``Saver`` that leaves :attr:`variable` out.
 
     Args:
       config: this task's ``gradaccum.cluster.ClusterConfig``, or None for one process.
