@@ -2,13 +2,16 @@
 
 The single-process tests check the assignment of examples (every P reads the
 same examples per update, uneven micro-batches, never dropped or padded), its
-``tf.data`` form, and the refusal of a mid-window checkpoint on another P.
-The ``distributed`` ones run tests/membership_child.py on loopback: a job of
-2 workers stopped and resumed by a scheduler on 3 (a new ``TF_CONFIG``), and
-a job of 3 whose worker 2 is SIGKILLed mid-window, restarted by
-``gradaccum.launch --max-restarts 1 --min-workers 2`` on 2. Both must equal
-one process trained on the same global batches (this process), to 1e-9 on
-the model and Adam's state, for the collective engine and ShardedAllReduce.
+``tf.data`` form, the newest step of a directory holding shards of two
+worker counts, and the refusal of a mid-window checkpoint on another P. The
+``distributed`` ones run tests/membership_child.py on loopback: a job of 2
+workers stopped and resumed by a scheduler on 3 (a new ``TF_CONFIG``; and
+srun's variables of a requeued Slurm job), and a job of 3 whose worker 2 is
+SIGKILLed mid-window, restarted by ``gradaccum.launch --max-restarts 1
+--min-workers 2`` on 2 (it prints the time from the kill to the first update
+on 2 workers, and the largest difference). Each must equal one process
+trained on the same global batches (this process), to 1e-9 on the model and
+Adam's state, for the collective engine and ShardedAllReduce stages 1 and 2.
 """
 import os
 import re
