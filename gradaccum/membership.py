@@ -19,8 +19,9 @@ layout: the collective engine's ordinary checkpoint (every worker that can
 read it restores it, the others initialise, then ``broadcast_variables`` as
 always) or ``ShardedAllReduce``'s shards,
 consolidated first when they were written by another P. A checkpoint saved in
-the middle of a window resumes only on the P that wrote it: each worker's
-partial sums belong to its own micro-batches.
+the middle of a window resumes only on the P that wrote it, and only when
+every worker saved its own partial sums (shards, or one process): each
+worker's partial sums belong to its own micro-batches.
 
 This module creates no collections.
 """
@@ -213,7 +214,11 @@ def recorded_workers(prefix):
 
 
 def check_window_ended(prefixes, saved_workers, num_workers):
-    """Refuses, in one line, a checkpoint saved mid-window that is to resume on another P.
+    """Refuses, in one line, a checkpoint saved mid-window that cannot resume exactly on ``num_workers``.
+
+    That is one saved on another P, or an ordinary checkpoint that the chief
+    of several collective workers saved: it holds the chief's partial sums
+    only. Shards resume mid-window on their own P (each worker's own sums).
 
     Args:
       prefixes: the checkpoint's prefix, or its shards' prefixes.
@@ -221,22 +226,25 @@ def check_window_ended(prefixes, saved_workers, num_workers):
       num_workers: the P about to resume it.
 
     Raises:
-      ValueError: when P changes and some ``micro_step`` is not 0.
+      ValueError: when some ``micro_step`` is not 0 in such a checkpoint.
 
     Example:
       >>> check_window_ended(["/ckpt/model.ckpt-6"], 3, 2)
     """
-    if saved_workers == num_workers:
+    chief_only = not _is_shard(prefixes[0]) and (saved_workers or 1) > 1
+    if saved_workers == num_workers and not chief_only:
         return
+    why = ("it holds the chief's partial sums only" if chief_only
+           else "it resumes only on that many workers, not on %d" % num_workers)
     for prefix in prefixes:
         reader = tf.compat.v1.train.NewCheckpointReader(prefix)
         for name in sorted(reader.get_variable_to_dtype_map()):
             if name.endswith("/micro_step") and int(reader.get_tensor(name)) != 0:
                 raise ValueError(
-                    "the checkpoint %s was saved by %s workers in the middle of a window (%s = %d): it resumes "
-                    "only on that many workers, not on %d; resume from a checkpoint saved at the end of a window"
+                    "the checkpoint %s was saved by %s workers in the middle of a window (%s = %d): %s; resume "
+                    "from a checkpoint saved at the end of a window"
                     % (prefix, saved_workers if saved_workers is not None else "an unknown number of",
-                       name, int(reader.get_tensor(name)), num_workers))
+                       name, int(reader.get_tensor(name)), why))
 
 
 def _is_shard(prefix):
@@ -356,7 +364,9 @@ class Membership(object):
           The restored prefix, or None (``init_op`` ran).
 
         Raises:
-          ValueError: for a checkpoint saved in the middle of a window by another P.
+          ValueError: for a checkpoint saved in the middle of a window by another
+            P, or by the chief of several collective workers (see
+            :func:`check_window_ended`).
 
         Example:
           >>> membership.restore(sess, saver, "/ckpt", init)

@@ -99,10 +99,9 @@ def test_the_dataset_gives_this_workers_micro_batches_with_their_sizes_as_weight
 
 
 def _save_one_micro_batch(directory, workers, micro_batches):
-    """A P-worker job's chief checkpoint after ``micro_batches`` micro-batches of a k = 2 window (one process)."""
+    """A P-worker job's chief checkpoint after ``micro_batches`` micro-batches of update 0 (one process)."""
     with tf.Graph().as_default():
         mine = gradaccum.Membership(_config(workers=workers), _B, 3, 24)
-        assert mine.num_micro_batches == 2
         graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=mine.num_micro_batches)
         saver = tf.compat.v1.train.Saver()
         with tf.compat.v1.Session() as sess:
@@ -121,16 +120,21 @@ def _restore(directory, workers):
             return path, int(sess.run(graph["step"])), int(sess.run(mine.variable))
 
 
+_MIDDLE = r"^the checkpoint .*model\.ckpt-0 was saved by %d workers in the middle of a window " \
+          r"\(GradientAccumulator/micro_step = 1\): %s; resume from a checkpoint saved at the end of a window$"
+
+
 def test_a_mid_window_checkpoint_resumes_on_its_own_p_only_and_a_window_end_on_any(tmp_path):
-    middle, end = str(tmp_path / "middle"), str(tmp_path / "end")
-    _save_one_micro_batch(middle, 2, 1)
-    with pytest.raises(ValueError, match=r"^the checkpoint .*model\.ckpt-0 was saved by 2 workers in the middle of "
-                                         r"a window \(GradientAccumulator/micro_step = 1\): it resumes only on that "
-                                         r"many workers, not on 3; resume from a checkpoint saved at the end of a "
-                                         r"window$"):
+    middle, chiefs, end = str(tmp_path / "middle"), str(tmp_path / "chiefs"), str(tmp_path / "end")
+    _save_one_micro_batch(middle, 1, 1)  # one process: k = 4, one micro-batch in
+    with pytest.raises(ValueError, match=_MIDDLE % (1, "it resumes only on that many workers, not on 3")):
         _restore(middle, 3)
-    assert _restore(middle, 2)[1:] == (0, 2)
-    _save_one_micro_batch(end, 2, 2)
+    assert _restore(middle, 1)[1:] == (0, 1)
+    _save_one_micro_batch(chiefs, 2, 1)  # the chief of 2: its own partial sums only, on any P
+    for workers in (2, 3):
+        with pytest.raises(ValueError, match=_MIDDLE % (2, "it holds the chief's partial sums only")):
+            _restore(chiefs, workers)
+    _save_one_micro_batch(end, 2, 2)  # k = 2: a window's end
     path, step, recorded = _restore(end, 3)
     assert (path.endswith("model.ckpt-1"), step, recorded) == (True, 1, 3)  # and P = 3 is now recorded
 
