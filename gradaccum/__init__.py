@@ -5,8 +5,9 @@ names are re-exported here explicitly, one per line, and imported on first
 use; the modules ``tower`` (several devices), ``subdivisions`` (one run per update, the micro-batches in a
 loop inside the graph), ``cluster`` (several processes
 and hosts, with its engines ``collective`` and ``ingraph``), ``launch``
-(the one-machine launcher, ``python -m gradaccum.launch``) and ``statistics``
-(the gradient noise scale behind ``summaries``) are public too.
+(the one-machine launcher, ``python -m gradaccum.launch``), ``membership``
+(elastic jobs: the same examples per update on any number of workers) and
+``statistics`` (the gradient noise scale behind ``summaries``) are public too.
 """
 import importlib as _importlib
 import sys as _sys
@@ -33,6 +34,10 @@ _EXPORTS = {
     "StopSignal": ("gradaccum.cluster", "StopSignal"),
     "CollectiveAllReduce": ("gradaccum.collective", "CollectiveAllReduce"),
     "ShardedAllReduce": ("gradaccum.sharded", "ShardedAllReduce"),
+    "Membership": ("gradaccum.membership", "Membership"),
+    "assign_examples": ("gradaccum.membership", "assign_examples"),
+    "micro_batches_per_worker": ("gradaccum.membership", "micro_batches_per_worker"),
+    "update_examples": ("gradaccum.membership", "update_examples"),
     "synchronized_batch_norm": ("gradaccum.collective", "synchronized_batch_norm"),
     "summaries": ("gradaccum._summaries", "summaries"),
     "SubdividedTraining": ("gradaccum.subdivisions", "SubdividedTraining"),
@@ -43,6 +48,7 @@ _EXPORTS = {
     "consolidate": ("gradaccum.consolidate", None),
     "ingraph": ("gradaccum.ingraph", None),
     "launch": ("gradaccum.launch", None),
+    "membership": ("gradaccum.membership", None),
     "observers": ("gradaccum.observers", None),
     "reducers": ("gradaccum.reducers", None),
     "sharded": ("gradaccum.sharded", None),
@@ -80,6 +86,7 @@ __all__ = [
     "CollectiveAllReduce",
     "GradientAccumulator",
     "Heartbeat",
+    "Membership",
     "MicroBatchChoice",
     "Reducer",
     "ShardedAllReduce",
@@ -89,6 +96,7 @@ __all__ = [
     "TowerTraining",
     "WindowObserver",
     "batch_normalization",
+    "assign_examples",
     "batch_ramp",
     "cluster",
     "collective",
@@ -96,6 +104,8 @@ __all__ = [
     "find_micro_batch",
     "ingraph",
     "launch",
+    "membership",
+    "micro_batches_per_worker",
     "observers",
     "reducers",
     "sharded",
@@ -105,4 +115,5 @@ __all__ = [
     "summaries",
     "synchronized_batch_norm",
     "tower",
+    "update_examples",
 ]

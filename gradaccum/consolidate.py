@@ -77,12 +77,14 @@ def _steps(directory):
     return found
 
 
-def sharded_checkpoints(checkpoint_dir, step=None):
+def sharded_checkpoints(checkpoint_dir, step=None, workers=None):
     """The P shard prefixes of one step: ``step``, or the newest step that every shard holds.
 
     Args:
       checkpoint_dir: the job's checkpoint directory.
       step: None (newest common step) or an int.
+      workers: None, or the P whose shards to read when the directory holds
+        shards of several worker counts (a job resumed on another P).
 
     Returns:
       ``(step, [prefix of rank 0, ..., prefix of rank P - 1])``, or
@@ -96,7 +98,8 @@ def sharded_checkpoints(checkpoint_dir, step=None):
       >>> step, prefixes = sharded_checkpoints("/ckpt")
     """
     names = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []
-    shards = dict((int(m.group(1)), int(m.group(2))) for m in map(_SHARD.match, names) if m)
+    shards = dict((int(m.group(1)), int(m.group(2))) for m in map(_SHARD.match, names)
+                  if m and workers in (None, int(m.group(2))))
     counts = sorted(set(shards.values()))
     if len(counts) > 1:
         raise ValueError("`checkpoint_dir` %r holds shards of %s workers; keep one job's shards per directory"
@@ -105,7 +108,7 @@ def sharded_checkpoints(checkpoint_dir, step=None):
         return None, []
     size = counts[0]
     if sorted(shards) != list(range(size)):
-        found = ", ".join(sorted(n for n in names if _SHARD.match(n)))
+        found = ", ".join(sorted(n for n in names if _SHARD.match(n) and n.endswith("-of-%d" % size)))
         raise ValueError("`checkpoint_dir` %r must hold shard-0-of-%d to shard-%d-of-%d, got %s"
                          % (checkpoint_dir, size, size - 1, size, found))
     held = [_steps(os.path.join(checkpoint_dir, "shard-%d-of-%d" % (rank, size))) for rank in range(size)]
@@ -184,13 +187,14 @@ def _check_window_ended(prefixes):
                              % scope)
 
 
-def consolidate(checkpoint_dir, output_prefix, step=None):
+def consolidate(checkpoint_dir, output_prefix, step=None, workers=None):
     """Writes the ordinary checkpoint of a sharded job's step: every variable once, the optimizer state whole.
 
     Args:
       checkpoint_dir: the sharded job's checkpoint directory.
       output_prefix: where to write (``Saver.save``'s path, e.g. ``/out/model.ckpt``).
       step: None (the newest step every shard holds) or an int.
+      workers: as in :func:`sharded_checkpoints`.
 
     Returns:
       The written checkpoint's prefix.
@@ -203,7 +207,7 @@ def consolidate(checkpoint_dir, output_prefix, step=None):
       '/ordinary/model.ckpt'
     """
     tf = _tf()
-    step, prefixes = sharded_checkpoints(checkpoint_dir, step)
+    step, prefixes = sharded_checkpoints(checkpoint_dir, step, workers)
     if not prefixes:
         raise ValueError("`checkpoint_dir` %r holds no step that every shard has" % (checkpoint_dir,))
     merged = _merged(prefixes)

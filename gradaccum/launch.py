@@ -14,7 +14,14 @@ output unless ``--verbose`` (which also leaves ``TF_CPP_MIN_LOG_LEVEL``
 alone; otherwise the tasks get ``2`` unless it is set). It exits with the
 chief's exit status. When any task dies with a non-zero status it names that
 task and its status in one line and stops the others (SIGTERM, then SIGKILL
-after ``--grace`` seconds). Each task runs in its own process
+after ``--grace`` seconds). With ``--max-restarts N`` the launcher then
+restarts the whole job instead, on fresh ports, up to N times: with the same
+number of workers, or with ``--min-workers M`` one worker fewer each time a
+task dies, never below M. The tasks resume from their last checkpoint (see
+``gradaccum.membership``); one line per restart names the task that died,
+its status, the number of workers now and, with ``--checkpoint-dir``, the
+global step of the newest checkpoint there. After N restarts it gives up
+with the failure's status. Each task runs in its own process
 group, which is killed on every way out (normal exit, signal, exception, and
 via ``atexit``), and the launcher returns only once every process of those
 groups has ended (a task's own children included); on Linux a task also gets
@@ -42,10 +49,12 @@ import threading
 import time
 
 from gradaccum import _tfconfig
+from gradaccum.consolidate import _SHARD
 
 _PREFIX = "gradaccum.launch: "
 _USAGE = "python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] [--shutdown-timeout S] " \
-         "[--verbose] [--no-port-warning] -- COMMAND [ARG ...]"
+         "[--max-restarts N [--min-workers M] [--checkpoint-dir DIR]] [--verbose] [--no-port-warning] " \
+         "-- COMMAND [ARG ...]"
 _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8  # Linux's interface flags, as /sys/class/net/<name>/flags shows them.
 # TensorFlow's log noise: C++ log lines (absl and TF 1.15 formats; fatal ones are
 # kept), the absl notice, Python-side TF and absl warnings, deprecation warnings.
@@ -124,6 +133,45 @@ def build_cluster(workers, ps, host, ports):
     if ps:
         cluster["ps"] = addresses[workers:]
     return cluster
+
+
+def _state_steps(directory):
+    """The global steps a ``checkpoint`` state file of ``directory`` lists (read as text: no TensorFlow)."""
+    try:
+        with open(os.path.join(directory, "checkpoint")) as handle:
+            text = handle.read()
+    except OSError:
+        return set()
+    return set(int(step) for step in re.findall(r'model_checkpoint_paths?: ".*-(\d+)"', text))
+
+
+def newest_checkpoint_step(checkpoint_dir):
+    """The global step of the newest checkpoint under ``checkpoint_dir``, or None.
+
+    An ordinary checkpoint counts, and so does a step that every shard
+    ``shard-<r>-of-<P>/`` of one P holds (``gradaccum.ShardedAllReduce``'s
+    layout). Read from the ``checkpoint`` state files, without TensorFlow.
+
+    Args:
+      checkpoint_dir: the job's checkpoint directory.
+
+    Returns:
+      An int, or None when there is no checkpoint.
+
+    Example:
+      >>> newest_checkpoint_step("/ckpt")
+      6
+    """
+    candidates = set(_state_steps(checkpoint_dir))
+    counts = {}
+    for name in os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []:
+        match = _SHARD.match(name)
+        if match:
+            counts.setdefault(int(match.group(2)), []).append(_state_steps(os.path.join(checkpoint_dir, name)))
+    for count, held in counts.items():
+        if len(held) == count:
+            candidates.update(set.intersection(*held))
+    return max(candidates) if candidates else None
 
 
 def tf_config_for(cluster, job, index):
@@ -407,16 +455,26 @@ class Launcher(object):
       stderr: text stream for the launcher's own one-line messages.
       verbose: when False, TensorFlow's log noise is left out of the tasks'
         output and ``TF_CPP_MIN_LOG_LEVEL`` defaults to 2 in their environment.
+      max_restarts: None (a task that dies ends the job), or how many times
+        the whole job restarts on fresh ports when a task dies.
+      min_workers: None (restart with as many workers), or the fewest workers
+        to restart with: each restart has one worker fewer, down to this.
+      checkpoint_dir: where the job saves, for the step a restart line names.
 
     Example:
       >>> status = Launcher(["python", "train.py"], workers=2, ps=0).run()
     """
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
-                 shutdown_seconds=15.0, stdout=None, stderr=None, verbose=False):
+                 shutdown_seconds=15.0, stdout=None, stderr=None, verbose=False, max_restarts=None,
+                 min_workers=None, checkpoint_dir=None):
         self.command = list(command)
         self.verbose = verbose
+        self.ps, self.host = ps, host
         self.cluster = build_cluster(workers, ps, host, pick_free_ports(workers + ps, host))
+        self.max_restarts, self.min_workers, self.checkpoint_dir = max_restarts, min_workers, checkpoint_dir
+        self.restarts = 0
+        self.died = None  # The (task, returncode) that ended the last attempt, if a task died.
         self.grace_seconds = grace_seconds
         self.shutdown_seconds = shutdown_seconds
         self.stdout = stdout if stdout is not None else sys.stdout.buffer
@@ -474,6 +532,7 @@ class Launcher(object):
                 chief_status = chief.process.poll()
                 self.say("%s (pid %d) died with %s; stopping the other tasks"
                          % (dead.name, dead.process.pid, describe_status(dead.process.returncode)))
+                self.died = (dead, dead.process.returncode)
                 self.stop()
                 return shell_status(chief_status) if chief_status else 1
             if chief.ended():
@@ -486,6 +545,7 @@ class Launcher(object):
         if status != 0:
             self.say("chief %s (pid %d) ended with %s; stopping the other tasks"
                      % (chief.name, chief.process.pid, describe_status(status)))
+            self.died = (chief, status)
         elif not _wait_until(lambda: all(task.ended() for task in others), self.shutdown_seconds):
             late = [t.name for t in others if not t.ended()]
             self.say("%s still running %g s after the chief finished; stopping them"
@@ -494,14 +554,40 @@ class Launcher(object):
         return shell_status(status)
 
     def run(self):
-        """Starts, supervises and always cleans up; returns the exit status."""
+        """Starts, supervises (restarting when asked to) and always cleans up; returns the exit status."""
         atexit.register(self._kill_all)
         try:
-            self.start()
-            return self.supervise()
+            while True:
+                self.died = None
+                self.start()
+                status = self.supervise()
+                if self.died is None or self.received is not None or self.max_restarts is None:
+                    return status
+                if self.restarts >= self.max_restarts:
+                    self.say("giving up: %s died with %s after %d restart%s"
+                             % (self.died[0].name, describe_status(self.died[1]), self.restarts,
+                                "" if self.restarts == 1 else "s"))
+                    return status
+                self._restart()
         finally:
             self._kill_all()
             atexit.unregister(self._kill_all)
+
+    def _restart(self):
+        """Builds the next attempt's cluster (fresh ports, perhaps one worker fewer) and says so in one line."""
+        self.restarts += 1
+        workers = len(self.cluster["worker"])
+        if self.min_workers is not None:
+            workers = max(self.min_workers, workers - 1)
+        self.cluster = build_cluster(workers, self.ps, self.host, pick_free_ports(workers + self.ps, self.host))
+        self.tasks = []
+        step = newest_checkpoint_step(self.checkpoint_dir) if self.checkpoint_dir else None
+        where = ("from the newest checkpoint" if self.checkpoint_dir is None
+                 else "from global step %d" % step if step is not None else "from the start (no checkpoint yet)")
+        task, returncode = self.died
+        self.say("restart %d of %d: %s died with %s; restarting %d worker%s %s"
+                 % (self.restarts, self.max_restarts, task.name, describe_status(returncode), workers,
+                    "" if workers == 1 else "s", where))
 
     def _kill_all(self):
         for task in self.tasks:
@@ -522,7 +608,8 @@ def parse_args(argv):
 
     Returns:
       An ``argparse.Namespace`` with ``workers``, ``ps``, ``host``, ``grace``, ``verbose``,
-      ``shutdown_timeout``, ``no_port_warning`` and ``command`` (a non-empty list).
+      ``shutdown_timeout``, ``no_port_warning``, ``max_restarts``, ``min_workers``,
+      ``checkpoint_dir`` and ``command`` (a non-empty list).
 
     Raises:
       SystemExit: with status 2 and one error line for bad arguments.
@@ -543,8 +630,15 @@ def parse_args(argv):
                         help="seconds the other tasks may run after the chief ended")
     parser.add_argument("--no-port-warning", action="store_true",
                         help="do not warn that the tasks' ports are open on every interface")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="restart the whole job up to N times when a task dies (default: never)")
+    parser.add_argument("--min-workers", type=int, default=None,
+                        help="with --max-restarts: one worker fewer per restart, never below M")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="with --max-restarts: the job's checkpoint directory, for the step restarts name")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every task runs")
     args = parser.parse_args(argv)
+    _check_restarts(parser, args)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given: put it after `--`, e.g. -- python train.py")
@@ -555,6 +649,19 @@ def parse_args(argv):
                      % (args.grace, args.shutdown_timeout))
     args.command = command
     return args
+
+
+def _check_restarts(parser, args):
+    """One usage line for restart flags that do not fit together."""
+    if args.max_restarts is None:
+        if args.min_workers is not None or args.checkpoint_dir is not None:
+            parser.error("`--min-workers` and `--checkpoint-dir` need `--max-restarts`")
+        return
+    if args.max_restarts < 0:
+        parser.error("`--max-restarts` must be >= 0, got %d" % args.max_restarts)
+    if args.min_workers is not None and not 1 <= args.min_workers <= args.workers:
+        parser.error("`--min-workers` must be in [1, --workers] = [1, %d], got %d"
+                     % (args.workers, args.min_workers))
 
 
 def _install_handlers(launcher):
@@ -585,7 +692,8 @@ def main(argv=None, stdout=None, stderr=None):
     """
     args = parse_args(sys.argv[1:] if argv is None else argv)
     launcher = Launcher(args.command, args.workers, args.ps, args.host, args.grace, args.shutdown_timeout,
-                        stdout=stdout, stderr=stderr, verbose=args.verbose)
+                        stdout=stdout, stderr=stderr, verbose=args.verbose, max_restarts=args.max_restarts,
+                        min_workers=args.min_workers, checkpoint_dir=args.checkpoint_dir)
     warning = None if args.no_port_warning else port_warning(launcher.cluster, non_loopback_interfaces())
     if warning is not None:
         launcher.say(warning)

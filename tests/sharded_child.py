@@ -206,12 +206,8 @@ def _run(tf, args, config, server, run, after_training):
                  **dict(values, **dict(("stats_" + name, np.array([t[name] for t in trace])) for name in stats)))
 
 
-def start_worker():
-    """TensorFlow in the test run's behaviour, this task's config and its started server, every task up.
-
-    Returns:
-      ``(tf, config, server)``.
-    """
+def start_tensorflow():
+    """TensorFlow, quiet, in the test run's behaviour (``GRADACCUM_TF_MODE``); returns the module."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
@@ -219,20 +215,23 @@ def start_worker():
         tf.compat.v1.disable_v2_behavior()
     else:
         tf.compat.v1.disable_eager_execution()
+    return tf
+
+
+def serve(heartbeat=True):
+    """This task's config, its started server and (``heartbeat``) a 3 s heartbeat, once every task answers."""
     from gradaccum import cluster
 
     config = cluster.from_environment()
     server = cluster.start_server(config, cluster.collective_session_config(config))
     cluster.wait_for_tasks(config, timeout_seconds=60)
-    return tf, config, server
+    return config, server, cluster.Heartbeat(server, config, timeout_seconds=3.0).start() if heartbeat else None
 
 
 def main(argv=None):
     args = _parse(argv)
-    tf, config, server = start_worker()
-    from gradaccum import cluster
-
-    beat = cluster.Heartbeat(server, config, timeout_seconds=3.0).start()
+    tf = start_tensorflow()
+    config, server, beat = serve()
     runs = args.runs.split(",")
     for i, run in enumerate(runs):
         _run(tf, args, config, server, run, beat.stop if i == len(runs) - 1 else lambda: None)

@@ -499,11 +499,11 @@ def test_a_master_and_a_worker_train_as_one_process(parabola_reference, tmp_path
     _assert_equal_to_one_process([out, str(tmp_path / "run-worker1.npz")], parabola_reference(_STEPS))
 
 
-def _free_port_pair():
-    """A base port such that base and base + 1 are free on every interface (TensorFlow binds them all)."""
+def _free_port_pair(count=2):
+    """A base port such that base to base + count - 1 are free on every interface (TensorFlow binds them all)."""
     for _ in range(50):
         base = launch.pick_free_ports(1, "")[0]
-        probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(2)]
+        probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
         try:
             for offset, probe in enumerate(probes):
                 probe.bind(("", base + offset))
@@ -513,7 +513,7 @@ def _free_port_pair():
         finally:
             for probe in probes:
                 probe.close()
-    pytest.fail("no two consecutive free ports found")
+    pytest.fail("no %d consecutive free ports found" % count)
 
 
 @pytest.mark.distributed

@@ -40,6 +40,13 @@ _TASK = textwrap.dedent("""
             time.sleep(0.5)
             sys.exit(7)
         time.sleep(120)
+    if mode == "last_worker_dies_once":  # Dies in the first attempt only (a file marks it), as a preempted task.
+        marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "died")
+        if name == "worker:%d" % (len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]) - 1) \
+                and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), 9)
+        time.sleep(1.0)
     if mode == "others_hang":
         if not chief:
             time.sleep(120)
@@ -175,6 +182,11 @@ def test_parse_args_takes_the_command_after_the_separator():
     (["--workers", "0", "--", "python"], r"`--workers` must be >= 1 and `--ps` >= 0, got 0 and 0"),
     (["--workers", "2", "--grace", "0", "--", "python"], r"`--grace` must be in \(0, 30\]"),
     (["--", "python"], "the following arguments are required: --workers"),
+    (["--workers", "2", "--min-workers", "1", "--", "python"],
+     r"`--min-workers` and `--checkpoint-dir` need `--max-restarts`; usage"),
+    (["--workers", "2", "--max-restarts", "1", "--min-workers", "3", "--", "python"],
+     r"`--min-workers` must be in \[1, --workers\] = \[1, 2\], got 3; usage"),
+    (["--workers", "2", "--max-restarts", "-1", "--", "python"], r"`--max-restarts` must be >= 0, got -1; usage"),
 ])
 def test_parse_args_errors_are_one_line(argv, match, capsys):
     with pytest.raises(SystemExit) as info:
@@ -215,6 +227,57 @@ def test_a_dead_worker_stops_the_job_and_is_named_in_one_line(tmp_path):
     assert lines == ["gradaccum.launch: worker:1 (pid %d) died with exit status 7; stopping the other tasks"
                      % pids[1]]
     _assert_all_gone(pids)
+
+
+def _clusters(out):
+    """The cluster each attempt's chief printed, in order."""
+    return [json.loads(c) for c in re.findall(r"^\[worker:0\] task worker:0 cluster (.*)$", out, re.M)]
+
+
+def test_a_death_restarts_the_job_on_fresh_ports_with_one_worker_fewer_and_says_so_in_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-12"\n'
+                                     'all_model_checkpoint_paths: "model.ckpt-12"\n')
+    args = ["--workers", "3", "--max-restarts", "2", "--min-workers", "2", "--grace", "1", "--checkpoint-dir",
+            str(ckpt)]
+    status, out, err = _run(args, "last_worker_dies_once", tmp_path)
+    assert status == 0, err
+    restarts = [line for line in err.splitlines() if "restart" in line]
+    assert restarts == ["gradaccum.launch: restart 1 of 2: worker:2 died with signal 9 (SIGKILL); restarting 2 "
+                        "workers from global step 12"]
+    first, second = _clusters(out)
+    assert (len(first["worker"]), len(second["worker"])) == (3, 2)
+    assert not set(first["worker"]) & set(second["worker"])  # fresh ports
+    _assert_all_gone(_started_pids(err))
+
+
+def test_without_min_workers_a_restart_keeps_p_and_the_launcher_gives_up_after_n(tmp_path):
+    status, out, err = _run(["--workers", "2", "--max-restarts", "1", "--grace", "1"], "worker1_dies", tmp_path)
+    assert status == 1
+    said = [line for line in err.splitlines() if "restart" in line or "giving up" in line]
+    assert said == ["gradaccum.launch: restart 1 of 1: worker:1 died with exit status 7; restarting 2 workers "
+                    "from the newest checkpoint",
+                    "gradaccum.launch: giving up: worker:1 died with exit status 7 after 1 restart"]
+    assert [len(c["worker"]) for c in _clusters(out)] == [2, 2]
+    _assert_all_gone(_started_pids(err))
+
+
+def test_the_newest_checkpoint_step_is_an_ordinary_ones_or_a_step_every_shard_of_one_count_holds(tmp_path):
+    def state(folder, *steps):
+        folder.mkdir(parents=True)
+        (folder / "checkpoint").write_text("".join('all_model_checkpoint_paths: "/x/model.ckpt-%d"\n' % s
+                                                   for s in steps))
+
+    assert launch.newest_checkpoint_step(str(tmp_path / "none")) is None
+    state(tmp_path / "shard-0-of-2", 3, 6, 9)
+    state(tmp_path / "shard-1-of-2", 3, 6)  # killed while saving 9
+    assert launch.newest_checkpoint_step(str(tmp_path)) == 6
+    state(tmp_path / "shard-0-of-3", 12)  # an incomplete count does not count
+    state(tmp_path / "shard-1-of-3", 12)
+    assert launch.newest_checkpoint_step(str(tmp_path)) == 6
+    state(tmp_path / "ordinary", 4, 8)
+    assert launch.newest_checkpoint_step(str(tmp_path / "ordinary")) == 8
 
 
 def test_tasks_still_running_after_the_chief_are_stopped(tmp_path):
@@ -336,7 +399,8 @@ def test_a_bad_flag_is_one_usage_line_without_tensorflow_or_runpy_warning(args):
     assert status == 2 and len(lines) == 1, err[-2000:]
     assert lines[0].startswith("gradaccum.launch: error: ")
     assert lines[0].endswith("; usage: python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] "
-                             "[--shutdown-timeout S] [--verbose] [--no-port-warning] -- COMMAND [ARG ...]")
+                             "[--shutdown-timeout S] [--max-restarts N [--min-workers M] [--checkpoint-dir DIR]] "
+                             "[--verbose] [--no-port-warning] -- COMMAND [ARG ...]")
     assert imported and not any(re.search(r"\| +(tensorflow|numpy)\b", line) for line in imported)
     assert "RuntimeWarning" not in err
     assert seconds < 3.0  # About 0.1 s on an idle machine; this one is shared.
