@@ -72,7 +72,8 @@ def _tfjob():
     name = re.search(r"^metadata:\n  name: (\S+)$", doc, re.M).group(1)
     replicas = {}
     for match in re.finditer(r"^    (\w+):\n      replicas: (\d+)\n(.*?)(?=^    \w+:\n|\Z)", doc, re.M | re.S):
-        command = json.loads(re.search(r"^ +command: (\[.*\])$", match.group(3), re.M).group(1))
+        # A flow sequence, on one line or several.
+        command = json.loads(re.search(r"^ +command: (\[[^\]]*\])$", match.group(3), re.M).group(1))
         replicas[match.group(1)] = (int(match.group(2)), command)
     ports = set(re.findall(r"containerPort: (\d+)", doc))
     assert len(ports) == 1, ports
@@ -96,7 +97,8 @@ def _sbatch():
     (script,) = [code for code in _blocks("bash") if "#SBATCH" in code]
     options = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)$", script, re.M))
     exported = dict(re.findall(r"^export (\w+)=(\S+)$", script, re.M))
-    (srun,) = [shlex.split(line) for line in script.splitlines() if line.startswith("srun ")]
+    lines = script.replace("\\\n", " ").splitlines()  # Continued lines joined, as bash reads them.
+    (srun,) = [shlex.split(line) for line in lines if line.startswith("srun ")]
     command = srun[next(i for i, word in enumerate(srun) if word == "python"):]
     return options, exported, command
 
