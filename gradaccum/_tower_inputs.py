@@ -55,7 +55,10 @@ def _called(inputs, count, every_tower):
     """Calls ``inputs`` once per tower; each tower weighs its own example count."""
     batches = []
     for index in range(count):
-        with tf.compat.v1.name_scope("inputs_%d" % index):
+        # In tower order: tower i's batch is pulled after tower i-1's, so that
+        # the outputs, concatenated in tower order, are in the source's order.
+        after = [_component(tensor) for tensor in batches[-1]] if batches else []
+        with tf.compat.v1.name_scope("inputs_%d" % index), tf.control_dependencies(after):
             batches.append(_check_inputs(inputs(), "inputs()"))
         if len(batches[index]) != len(batches[0]):
             raise ValueError("`inputs()` must return the same number of inputs for every tower, got %d for "
@@ -73,6 +76,10 @@ def _called(inputs, count, every_tower):
             [tf.convert_to_tensor(size, tf.int32) for size in sizes])
     shards = [_checked(batch, size, checks) for batch, size in zip(batches, sizes)]
     return Batches(total, sizes, shards)
+
+
+def _component(tensor):
+    return tensor.values if isinstance(tensor, tf.SparseTensor) else tensor
 
 
 def _too_few_called(every_tower):
