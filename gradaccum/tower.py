@@ -20,16 +20,27 @@ builds tower ``i``, ``gradaccum._tower_context.current()`` tells synchronized
 layers (``gradaccum.batch_normalization``) the tower's index, devices and
 shard sizes.
 
-A batch smaller than the number of towers works (the empty shards weigh 0
-and tower 0 always has an example), except with ``update_ops="all"``: an
-empty tower's batch-norm statistics are NaN, so there every tower needs an
-example. ``gradaccum.batch_normalization`` builds its one update in the
-first tower only (from the whole batch's statistics), so there ``"first"``
-and ``"all"`` are the same. With a ``GradientAccumulator``, the update ops
-are its ``update_ops`` (run on every micro-batch) and with
-``statistics=True`` each tower's shard is a small batch of the gradient
-noise scale (``gradaccum.statistics``). A non-scalar loss is refused: TF
-would differentiate its sum, which the shard-size weighting would make wrong.
+Inputs: one batch (tensors or ``tf.SparseTensor``, split by rows) or a
+callable that each tower calls for its own batch (an iterator's
+``get_next``; the towers then weigh their own example counts); see
+``gradaccum._tower_inputs``. ``model_fn`` may return ``(loss, outputs)``:
+the per-example outputs come back concatenated in batch order.
+
+A batch smaller than the number of towers works, and no model runs on an
+empty shard: tower 0 always has an example; a later tower that a static
+batch leaves empty is not built, and one whose shard size is known only at
+run time builds its model and gradients inside ``tf.cond(size > 0)``
+(``gradaccum._tower_guard``), contributing zeros of weight 0 otherwise.
+Synchronized layers (``gradaccum.batch_normalization``) sum over every
+tower, so with them every tower runs. ``update_ops="all"`` needs an example
+in every tower: an empty tower's batch-norm statistics are NaN.
+``gradaccum.batch_normalization`` builds its one update in the first tower
+only (from the whole batch's statistics), so there ``"first"`` and ``"all"``
+are the same. With a ``GradientAccumulator``, the update ops are its
+``update_ops`` (run on every micro-batch) and with ``statistics=True`` each
+tower's shard is a small batch of the gradient noise scale
+(``gradaccum.statistics``). A non-scalar loss is refused: TF would
+differentiate its sum, which the shard-size weighting would make wrong.
 """
 import collections
 import functools
@@ -45,6 +56,7 @@ from gradaccum._compat import tf
 from gradaccum._gradients import normalized
 from gradaccum._wrapper import optimizer_chain
 from gradaccum.accumulator import GradientAccumulator
+
 
 class TowerTraining(collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])):
     """What :func:`minimize` builds: a ``(train_op, loss, towers)`` tuple with ``outputs``.
@@ -97,37 +109,38 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
              variables_device="/cpu:0", update_ops="first", name="tower"):
     """Builds synchronous data-parallel training of ``model_fn`` over ``devices``.
 
-    Each input is split along axis 0 into one shard per device (sizes differ
-    by at most one; the first towers get the larger shards). Tower ``i`` calls
-    ``model_fn(*shards_i)`` under ``name_scope("<name>_<i>")`` on
-    ``devices[i]``; the first tower creates the variables, the others reuse
-    them. Gradients and losses are averaged weighted by shard size: the update
-    equals one device's on the whole batch (module docstring: ``"all"``).
+    Each input is split along axis 0 into one shard per device (the first
+    towers get the larger shards), or each tower calls a callable ``inputs``.
+    Tower ``i`` calls ``model_fn(*shards_i)`` under ``name_scope("<name>_<i>")``
+    on ``devices[i]``; the first creates the variables, the others reuse them.
+    Averages weigh example counts: the update is one device's on all the
+    towers' examples. A tower without one runs no model (module docstring).
 
     Args:
       optimizer: a v1 optimizer or a ``GradientAccumulator`` (a run is a micro-batch).
       model_fn: callable taking one shard per input and returning the scalar
-        mean loss over that shard; create variables with
-        ``tf.compat.v1.get_variable`` or ``tf.compat.v1.layers``.
-      inputs: a tensor, or a list or tuple of tensors with the same leading
-        (batch) dimension, static or not.
-      devices: list of device strings, one tower each. ``None``: every visible
-        GPU, else ``["/cpu:0"]``.
+        mean loss over that shard, or ``(loss, outputs)``, outputs a (nested)
+        tensor with a batch dimension; variables from ``get_variable`` or layers.
+      inputs: a tensor or ``tf.SparseTensor``, or a list or tuple of them with
+        the same leading (batch) dimension, static or not; or a callable
+        returning one of those, called once per tower, in tower order.
+      devices: device strings, one tower each (``None``: every GPU, else ``["/cpu:0"]``).
       global_step: optional variable, incremented once per applied update.
       variables_device: device of the shared variables (``None``: the first tower's).
       update_ops: ``"first"`` runs the ``UPDATE_OPS`` the first tower created,
-        ``"all"`` every tower's, ``[]`` none (``None``, deprecated, too).
+        ``"all"`` every tower's (every tower then needs an example), ``[]``
+        none (``None``, deprecated, too).
       name: name scope of the ops outside the towers, and the towers' prefix.
 
     Returns:
-      A :class:`TowerTraining` ``(train_op, loss, towers)``.
+      A :class:`TowerTraining` ``(train_op, loss, towers)`` with ``outputs``.
 
     Raises:
-      TypeError: for a non-optimizer, a non-callable ``model_fn``, inputs that
-        are not tensors, or a ``model_fn`` that returns no float tensor.
-      ValueError: for empty ``devices``, a bad ``update_ops`` or ``name``,
-        mismatched or too small static batches, a non-scalar loss, or a later
-        tower creating variables the first did not.
+      TypeError: for a non-optimizer or non-callable ``model_fn``, inputs that
+        are not tensors, a non-float loss or outputs without a batch dimension.
+      ValueError: for empty ``devices``, a bad ``update_ops`` or ``name``, bad
+        static batches, a non-scalar loss, towers that differ in outputs,
+        inputs or variables.
 
     Example:
       >>> result = tower.minimize(tf.compat.v1.train.AdamOptimizer(1e-3), model_fn,
@@ -146,9 +159,7 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), "none": []}[update_ops]
     weights = _check_weights(plan.batches.sizes, len(towers))
     with tf.compat.v1.name_scope(scope):
-        loss = tf.identity(_weighted_mean([t.loss for t in towers], weights), name="loss")
-        grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
-        outputs = _concat_outputs(tower_outputs, plan.returned["outputs"])
+        loss, grads_and_vars, outputs = _combine(towers, weights, tower_outputs, plan.returned["outputs"])
     # In the caller's scope, so that the optimizer's variables (Adam's beta
     # powers) get the names one device gives them: checkpoints interchange.
     small_batches = [(t.grads_and_vars, w) for t, w in zip(towers, weights)]  # each shard, for statistics
@@ -371,13 +382,15 @@ def _check_outputs(outputs, index):
     return flat
 
 
-def _concat_outputs(tower_outputs, structure):
-    """The towers' flat outputs concatenated in batch order, in ``structure``'s nesting."""
+def _combine(towers, weights, tower_outputs, structure):
+    """The whole batch's loss, gradients and outputs (in ``structure``'s nesting, or None)."""
+    loss = tf.identity(_weighted_mean([t.loss for t in towers], weights), name="loss")
+    grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
     if structure is None:
-        return None
+        return loss, grads_and_vars, None
     with tf.compat.v1.name_scope("outputs"):
         joined = [tf.concat(list(parts), 0) for parts in zip(*tower_outputs)]
-    return tf.nest.pack_sequence_as(structure, joined)
+    return loss, grads_and_vars, tf.nest.pack_sequence_as(structure, joined)
 
 
 def _check_loss(loss, index):
