@@ -79,6 +79,8 @@ class TowerTraining(collections.namedtuple("TowerTraining", ["train_op", "loss",
       >>> sess.run([train_op, result.outputs])
     """
 
+    outputs = None  # What _make and _replace (which bypass __new__) give.
+
     def __new__(cls, train_op, loss, towers, outputs=None):
         self = super(TowerTraining, cls).__new__(cls, train_op, loss, towers)
         self.outputs = outputs

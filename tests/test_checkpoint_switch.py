@@ -85,7 +85,7 @@ def _assert_plain_run(values, want):
 
 
 @pytest.mark.parametrize("towers", [1, 2])
-def test_plain_checkpoint_restores_into_accumulated_graph(plain_run, towers, tmp_path):
+def test_plain_checkpoint_restores_into_accumulated_graph(plain_run, towers):
     path, want = plain_run
     built = _graph(True, towers)
     with built[0].as_default(), _session(built[0]) as sess:

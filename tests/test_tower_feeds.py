@@ -240,4 +240,5 @@ def test_result_still_unpacks_as_three():
                                 devices=DEVICES[:2])
         train_op, loss, towers = result
         assert (train_op, loss, towers) == tuple(result) and len(result) == 3 and result.outputs is None
+        assert result._replace(loss=None).outputs is None
         assert len(towers) == 2
