@@ -242,3 +242,31 @@ def test_result_still_unpacks_as_three():
         assert (train_op, loss, towers) == tuple(result) and len(result) == 3 and result.outputs is None
         assert result._replace(loss=None).outputs is None
         assert len(towers) == 2
+
+
+@pytest.mark.parametrize("update_ops", ["first", "all"])
+def test_callable_inputs_empty_batches_checked_at_run_time(update_ops):
+    """Each tower's own batch: the first must have an example (with "all", each must); with
+    "first" an empty later batch weighs 0 and runs no model, so the update is tower 0's alone."""
+    rng = np.random.RandomState(5)
+    x_value, y_value = rng.randn(3, 3), rng.randint(0, 2, 3).astype(np.int32)
+    graph = tf.Graph()
+    with graph.as_default():
+        feeds = [(v1.placeholder(tf.float64, [None, 3]), v1.placeholder(tf.int32, [None])) for _ in range(2)]
+        given = iter(feeds)
+        result = tower.minimize(v1.train.GradientDescentOptimizer(0.5), _dense_model, lambda: next(given),
+                                devices=DEVICES[:2], update_ops=update_ops)
+        with _session(graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            empty = (x_value[:0], y_value[:0])
+            message = ("every tower at least one example" if update_ops == "all"
+                       else "the first tower at least one example")
+            refused = [[empty, (x_value, y_value)]] + ([[(x_value, y_value), empty]] if update_ops == "all" else [])
+            for batches in refused:
+                with pytest.raises(tf.errors.InvalidArgumentError, match=r"`inputs\(\)` must give " + message):
+                    sess.run(result.train_op, dict(zip(sum(feeds, ()), sum(batches, ()))))
+            if update_ops == "first":
+                sess.run(result.train_op, dict(zip(sum(feeds, ()), (x_value, y_value) + empty)))
+                got = sess.run(v1.trainable_variables()[0])
+    if update_ops == "first":
+        np.testing.assert_allclose(got, _one_device_dense(x_value, y_value, [slice(0, 3)])[0][2], rtol=1e-12)
