@@ -133,6 +133,11 @@ class TowerGroup(object):
         """The number of towers."""
         return len(self.devices)
 
+    @property
+    def synchronized(self):
+        """Whether a tower built so far made a synchronized layer call (every tower must then run)."""
+        return bool(self._records)
+
     def next_record(self, index, what):
         """The record of tower ``index``'s next synchronized layer call.
 

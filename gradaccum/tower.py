@@ -20,39 +20,72 @@ builds tower ``i``, ``gradaccum._tower_context.current()`` tells synchronized
 layers (``gradaccum.batch_normalization``) the tower's index, devices and
 shard sizes.
 
-A batch smaller than the number of towers works (the empty shards weigh 0
-and tower 0 always has an example), except with ``update_ops="all"``: an
-empty tower's batch-norm statistics are NaN, so there every tower needs an
-example. ``gradaccum.batch_normalization`` builds its one update in the
-first tower only (from the whole batch's statistics), so there ``"first"``
-and ``"all"`` are the same. With a ``GradientAccumulator``, the update ops
-are its ``update_ops`` (run on every micro-batch) and with
-``statistics=True`` each tower's shard is a small batch of the gradient
-noise scale (``gradaccum.statistics``). A non-scalar loss is refused: TF
-would differentiate its sum, which the shard-size weighting would make wrong.
+Inputs: one batch (tensors or ``tf.SparseTensor``, split by rows) or a
+callable that each tower calls for its own batch (an iterator's
+``get_next``; the towers then weigh their own example counts); see
+``gradaccum._tower_inputs``. ``model_fn`` may return ``(loss, outputs)``:
+the per-example outputs come back concatenated in batch order.
+
+A batch smaller than the number of towers works, and no model runs on an
+empty shard: tower 0 always has an example; a later tower that a static
+batch leaves empty is not built, and one whose shard size is known only at
+run time builds its model and gradients inside ``tf.cond(size > 0)``
+(``gradaccum._tower_guard``), contributing zeros of weight 0 otherwise.
+Synchronized layers (``gradaccum.batch_normalization``) sum over every
+tower, so with them every tower runs. ``update_ops="all"`` needs an example
+in every tower: an empty tower's batch-norm statistics are NaN.
+``gradaccum.batch_normalization`` builds its one update in the first tower
+only (from the whole batch's statistics), so there ``"first"`` and ``"all"``
+are the same. With a ``GradientAccumulator``, the update ops are its
+``update_ops`` (run on every micro-batch) and with ``statistics=True`` each
+tower's shard is a small batch of the gradient noise scale
+(``gradaccum.statistics``). A non-scalar loss is refused: TF would
+differentiate its sum, which the shard-size weighting would make wrong.
 """
 import collections
+import functools
 import numbers
 import warnings
 
 from gradaccum import _compat
 from gradaccum import _tower_context
+from gradaccum import _tower_guard
+from gradaccum import _tower_inputs
 from gradaccum import _validate
 from gradaccum._compat import tf
 from gradaccum._gradients import normalized
 from gradaccum._wrapper import optimizer_chain
 from gradaccum.accumulator import GradientAccumulator
 
-TowerTraining = collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])
-TowerTraining.__doc__ = """What :func:`minimize` builds.
 
-Attributes:
-  train_op: the op to run once per batch (per micro-batch with a
-    ``GradientAccumulator``).
-  loss: scalar, the mean loss over the whole batch (tower losses weighted by
-    shard size).
-  towers: list of :class:`Tower`, one per device, in device order.
-"""
+class TowerTraining(collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])):
+    """What :func:`minimize` builds: a ``(train_op, loss, towers)`` tuple with ``outputs``.
+
+    ``outputs`` is an attribute, not a fourth item, so that
+    ``train_op, loss, towers = result`` keeps working.
+
+    Attributes:
+      train_op: the op to run once per batch (per micro-batch with a
+        ``GradientAccumulator``).
+      loss: scalar, the mean loss over the whole batch (tower losses weighted by
+        their example counts).
+      towers: list of :class:`Tower`, one per device, in device order (a
+        device that a static batch leaves without an example gets none).
+      outputs: ``None``, or the per-example outputs ``model_fn`` returned
+        beside its loss, each concatenated across towers in batch order.
+
+    Example:
+      >>> train_op, loss, towers = result = tower.minimize(opt, model_fn, inputs)
+      >>> sess.run([train_op, result.outputs])
+    """
+
+    outputs = None  # What _make and _replace (which bypass __new__) give.
+
+    def __new__(cls, train_op, loss, towers, outputs=None):
+        self = super(TowerTraining, cls).__new__(cls, train_op, loss, towers)
+        self.outputs = outputs
+        return self
+
 
 Tower = collections.namedtuple("Tower", ["device", "scope", "loss", "grads_and_vars"])
 Tower.__doc__ = """One replica of the model, as built by :func:`minimize`.
@@ -78,37 +111,38 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
              variables_device="/cpu:0", update_ops="first", name="tower"):
     """Builds synchronous data-parallel training of ``model_fn`` over ``devices``.
 
-    Each input is split along axis 0 into one shard per device (sizes differ
-    by at most one; the first towers get the larger shards). Tower ``i`` calls
-    ``model_fn(*shards_i)`` under ``name_scope("<name>_<i>")`` on
-    ``devices[i]``; the first tower creates the variables, the others reuse
-    them. Gradients and losses are averaged weighted by shard size: the update
-    equals one device's on the whole batch (module docstring: ``"all"``).
+    Each input is split along axis 0 into one shard per device (the first
+    towers get the larger shards), or each tower calls a callable ``inputs``.
+    Tower ``i`` calls ``model_fn(*shards_i)`` under ``name_scope("<name>_<i>")``
+    on ``devices[i]``; the first creates the variables, the others reuse them.
+    Averages weigh example counts: the update is one device's on all the
+    towers' examples. A tower without one runs no model (module docstring).
 
     Args:
       optimizer: a v1 optimizer or a ``GradientAccumulator`` (a run is a micro-batch).
       model_fn: callable taking one shard per input and returning the scalar
-        mean loss over that shard; create variables with
-        ``tf.compat.v1.get_variable`` or ``tf.compat.v1.layers``.
-      inputs: a tensor, or a list or tuple of tensors with the same leading
-        (batch) dimension, static or not.
-      devices: list of device strings, one tower each. ``None``: every visible
-        GPU, else ``["/cpu:0"]``.
+        mean loss over that shard, or ``(loss, outputs)``, outputs a (nested)
+        tensor with a batch dimension; variables from ``get_variable`` or layers.
+      inputs: a tensor or ``tf.SparseTensor``, or a list or tuple of them with
+        the same leading (batch) dimension, static or not; or a callable
+        returning one of those, called once per tower, in tower order.
+      devices: device strings, one tower each (``None``: every GPU, else ``["/cpu:0"]``).
       global_step: optional variable, incremented once per applied update.
       variables_device: device of the shared variables (``None``: the first tower's).
       update_ops: ``"first"`` runs the ``UPDATE_OPS`` the first tower created,
-        ``"all"`` every tower's, ``[]`` none (``None``, deprecated, too).
+        ``"all"`` every tower's (every tower then needs an example), ``[]``
+        none (``None``, deprecated, too).
       name: name scope of the ops outside the towers, and the towers' prefix.
 
     Returns:
-      A :class:`TowerTraining` ``(train_op, loss, towers)``.
+      A :class:`TowerTraining` ``(train_op, loss, towers)`` with ``outputs``.
 
     Raises:
-      TypeError: for a non-optimizer, a non-callable ``model_fn``, inputs that
-        are not tensors, or a ``model_fn`` that returns no float tensor.
-      ValueError: for empty ``devices``, a bad ``update_ops`` or ``name``,
-        mismatched or too small static batches, a non-scalar loss, or a later
-        tower creating variables the first did not.
+      TypeError: for a non-optimizer or non-callable ``model_fn``, inputs that
+        are not tensors, a non-float loss or outputs without a batch dimension.
+      ValueError: for empty ``devices``, a bad ``update_ops`` or ``name``, bad
+        static batches, a non-scalar loss, towers that differ in outputs,
+        inputs or variables.
 
     Example:
       >>> result = tower.minimize(tf.compat.v1.train.AdamOptimizer(1e-3), model_fn,
@@ -118,22 +152,21 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     """
     placement, update_ops = _check_arguments(optimizer, model_fn, devices, variables_device, update_ops, name)
     with tf.compat.v1.name_scope(name) as scope:
-        min_batch = len(placement[0]) if update_ops == "all" else 1
-        batch_size, sizes, shards = _split(_check_inputs(inputs), len(placement[0]), min_batch)
+        batches = _tower_inputs.tower_batches(inputs, len(placement[0]), update_ops == "all")
+    plan = _plan(name, placement, batches, guard=update_ops != "all")
     # What synchronized layers see (batch_norm.py).
     rank, workers = _collective_worker(optimizer)
-    group = _tower_context.TowerGroup(placement[0], sizes, worker=rank, workers=workers)
-    towers, tower_update_ops = _build_towers(optimizer, model_fn, shards, placement, name, group)
+    group = _tower_context.TowerGroup(plan.devices, plan.batches.sizes, worker=rank, workers=workers)
+    towers, tower_update_ops, tower_outputs = _build_towers(optimizer, model_fn, plan, group)
     chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), "none": []}[update_ops]
-    weights = _check_weights(sizes, len(placement[0]))
+    weights = _check_weights(plan.batches.sizes, len(towers))
     with tf.compat.v1.name_scope(scope):
-        loss = tf.identity(_weighted_mean([t.loss for t in towers], weights), name="loss")
-        grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
+        loss, grads_and_vars, outputs = _combine(towers, weights, tower_outputs, plan.returned["outputs"])
     # In the caller's scope, so that the optimizer's variables (Adam's beta
     # powers) get the names one device gives them: checkpoints interchange.
     small_batches = [(t.grads_and_vars, w) for t, w in zip(towers, weights)]  # each shard, for statistics
-    train_op = _apply(optimizer, grads_and_vars, global_step, batch_size, chosen, small_batches)
-    return TowerTraining(train_op, loss, towers)
+    train_op = _apply(optimizer, grads_and_vars, global_step, batches.batch_size, chosen, small_batches)
+    return TowerTraining(train_op, loss, towers, outputs)
 
 
 def average_gradients(tower_grads, weights=None):
@@ -238,80 +271,13 @@ def _check_devices(devices):
     return [_check_device(device, "devices") for device in devices]
 
 
-def _check_inputs(inputs):
-    """Converts ``inputs`` to a list of tensors that share a leading dimension."""
-    items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-    if not items:
-        raise ValueError("`inputs` must be a tensor or a non-empty list of tensors, got %s"
-                         % _validate.describe(inputs))
-    tensors = []
-    for item in items:
-        try:
-            tensor = tf.convert_to_tensor(item)
-        except (TypeError, ValueError):
-            raise TypeError("`inputs` must be tensors, got %s" % _validate.describe(item)) from None
-        if tensor.shape.ndims == 0:
-            raise ValueError("`inputs` must have a leading (batch) dimension, got the scalar %s"
-                             % _validate.describe(item))
-        tensors.append(tensor)
-    leading = [_leading(t) for t in tensors]
-    if len(set(size for size in leading if size is not None)) > 1:
-        raise ValueError("`inputs` must have the same leading (batch) dimension, got %s for %s"
-                         % (leading, _validate.describe(tensors)))
-    return tensors
-
-
-def _leading(tensor):
-    """The static leading dimension of ``tensor``, or None."""
-    return tf.compat.dimension_value(tensor.shape[0]) if tensor.shape.ndims else None
-
-
-def _split(tensors, count, min_batch):
-    """Splits each tensor into ``count`` shards whose sizes differ by at most one.
-
-    Returns ``(batch_size, sizes, shards)``: Python ints when the batch size is
-    static, else scalar tensors; ``shards[j][i]`` is input j's shard for tower i.
-    """
-    static = [_leading(t) for t in tensors if _leading(t) is not None]
-    if static:
-        batch_size = static[0]
-        if batch_size < min_batch:
-            raise ValueError("%s, got a batch of %d" % (_too_small(min_batch), batch_size))
-        # The first towers take the remainder, so tower 0 is never empty.
-        sizes = [batch_size // count + (1 if i < batch_size % count else 0) for i in range(count)]
-        split_sizes = sizes
-    else:
-        batch_size = tf.shape(tensors[0], name="batch_size")[0]
-        bonus = tf.cast(tf.range(count) < batch_size % count, tf.int32)
-        split_sizes = tf.add(batch_size // count, bonus, name="shard_sizes")
-        sizes = tf.unstack(split_sizes, num=count)
-    tensors = _checked(tensors, batch_size, min_batch)
-    shards = [tf.split(t, split_sizes, axis=0, num=count, name="split") for t in tensors]
-    return batch_size, sizes, shards
-
-
-def _too_small(min_batch):
-    if min_batch == 1:
-        return "`inputs` must hold at least one example"
-    return ("`inputs` must hold at least %d examples, one per tower, with update_ops='all' (an empty "
-            "tower's batch statistics are NaN and would be written into the moving averages)" % min_batch)
-
-
-def _checked(tensors, batch_size, min_batch):
-    """Makes the shards wait for run-time checks of what is not known statically."""
-    checks = []
-    if not isinstance(batch_size, int):
-        checks.append(tf.compat.v1.assert_greater_equal(
-            batch_size, min_batch, message=_too_small(min_batch) + ":", name="enough_examples"))
-    if len(tensors) > 1:
-        checks.extend(tf.compat.v1.assert_equal(
-            tf.shape(tensor)[0], batch_size, name="same_batch_%d" % index,
-            message="`inputs` must have the same leading (batch) dimension; input %d differs:" % index)
-            for index, tensor in enumerate(tensors) if _leading(tensor) is None)
-    if not checks:
-        return tensors
-    with tf.control_dependencies(checks):
-        return [tf.identity(tensor) for tensor in tensors]
+def _plan(name, placement, batches, guard):
+    """The towers to build: those whose batch is not known to be empty."""
+    devices, variables_device = placement
+    indices = [i for i, size in enumerate(batches.sizes) if not (isinstance(size, int) and size == 0)]
+    kept = _tower_inputs.Batches(batches.batch_size, [batches.sizes[i] for i in indices],
+                                 [batches.shards[i] for i in indices])
+    return _Plan(name, indices, [devices[i] for i in indices], variables_device, kept, guard, {})
 
 
 def _device_function(compute_device, variables_device):
@@ -339,25 +305,94 @@ def _collective_worker(optimizer):
     return 0, 1
 
 
-def _build_towers(optimizer, model_fn, shards, placement, name, group):
-    """Builds one tower per device; returns the towers and each tower's update ops."""
-    devices, variables_device = placement
+# How to build the towers; `returned` records what the first tower's model_fn returned.
+_Plan = collections.namedtuple("_Plan", ["name", "indices", "devices", "variables_device", "batches", "guard",
+                                         "returned"])
+
+
+def _build_towers(optimizer, model_fn, plan, group):
+    """Builds one tower per device that may have examples.
+
+    Returns the towers, each tower's update ops and each tower's outputs.
+    """
+    towers, update_ops, outputs = [], [], []
+    for position in range(len(plan.indices)):
+        built = _build_tower(optimizer, model_fn, plan, group, position, outputs[0] if outputs else None)
+        towers.append(built[0])
+        update_ops.append(built[1])
+        outputs.append(built[2])
+    return towers, update_ops, outputs
+
+
+def _build_tower(optimizer, model_fn, plan, group, position, first_outputs):
+    """Tower ``position``: ``(Tower, its UPDATE_OPS, its flat outputs)``."""
     graph = tf.compat.v1.get_default_graph()
-    towers, update_ops = [], []
-    for index, device in enumerate(devices):
-        known = _variable_names(graph)
-        updates_before = len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
-        with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True if index else None,
-                                         auxiliary_name_scope=False), \
-                tf.compat.v1.device(_device_function(device, variables_device)), \
-                tf.compat.v1.name_scope("%s_%d" % (name, index)) as scope:
-            with _tower_context.TowerContext(group, index):
-                loss = _check_loss(model_fn(*[per_input[index] for per_input in shards]), index)
-            if index:
-                _check_no_new_variables(graph, known, index)
-            update_ops.append(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)[updates_before:])
-            towers.append(Tower(device, scope, loss, optimizer.compute_gradients(loss)))
-    return towers, update_ops
+    known = _variable_names(graph)
+    updates_before = len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
+    index, device, size = plan.indices[position], plan.devices[position], plan.batches.sizes[position]
+    shard = plan.batches.shards[position]
+    with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True if position else None,
+                                     auxiliary_name_scope=False), \
+            tf.compat.v1.device(_device_function(device, plan.variables_device)), \
+            tf.compat.v1.name_scope("%s_%d" % (plan.name, index)) as scope, \
+            _tower_context.TowerContext(group, position):
+        # A later tower may get no example: then its model must not run (some kernels
+        # abort on an empty batch). Synchronized layers need every tower to take part.
+        guarded = position and plan.guard and not isinstance(size, int) and not group.synchronized
+        if guarded:  # On the tower's device, so that the cond's switches of the shard are too.
+            shard = [_tower_inputs.identity(tensor) for tensor in shard]
+        run = functools.partial(_run_model, optimizer, model_fn, shard, (index, plan.returned))
+        if guarded:
+            loss, grads_and_vars, outputs = _tower_guard.run_if(size > 0, run, first_outputs)
+        else:
+            loss, grads_and_vars, outputs = run()
+        if position:
+            _check_no_new_variables(graph, known, index)
+    updates = graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)[updates_before:]
+    return Tower(device, scope, loss, grads_and_vars), updates, outputs
+
+
+def _run_model(optimizer, model_fn, shard, tower):
+    """``model_fn`` on ``shard``: ``(loss, grads_and_vars, flat per-example outputs)``.
+
+    ``tower`` is ``(index, returned)``: the first tower records its outputs'
+    structure in ``returned["outputs"]``, the others must match it.
+    """
+    index, returned = tower
+    loss, outputs = model_fn(*shard), None
+    if isinstance(loss, (list, tuple)) and len(loss) == 2 and isinstance(loss[0], tf.Tensor):
+        loss, outputs = loss
+    loss = _check_loss(loss, index)
+    flat = _check_outputs(outputs, index)
+    returned.setdefault("outputs", outputs)
+    if len(flat) != len(_check_outputs(returned["outputs"], 0)):
+        raise ValueError("`model_fn` must return the same outputs in every tower, got %s in tower %d and %s "
+                         "in tower 0" % (_validate.describe(outputs), index, _validate.describe(returned["outputs"])))
+    return loss, optimizer.compute_gradients(loss), flat
+
+
+def _check_outputs(outputs, index):
+    """The flat list of ``outputs`` (none when ``None``); each must have a batch dimension."""
+    if outputs is None:
+        return []
+    flat = tf.nest.flatten(outputs)
+    for output in flat:
+        if not isinstance(output, tf.Tensor) or not output.shape.ndims:
+            raise TypeError("`model_fn` must return a loss or (loss, outputs), outputs a tensor or a nested "
+                            "structure of tensors with a leading (batch) dimension, got %s in tower %d"
+                            % (_validate.describe(output), index))
+    return flat
+
+
+def _combine(towers, weights, tower_outputs, structure):
+    """The whole batch's loss, gradients and outputs (in ``structure``'s nesting, or None)."""
+    loss = tf.identity(_weighted_mean([t.loss for t in towers], weights), name="loss")
+    grads_and_vars = average_gradients([t.grads_and_vars for t in towers], weights=weights)
+    if structure is None:
+        return loss, grads_and_vars, None
+    with tf.compat.v1.name_scope("outputs"):
+        joined = [tf.concat(list(parts), 0) for parts in zip(*tower_outputs)]
+    return loss, grads_and_vars, tf.nest.pack_sequence_as(structure, joined)
 
 
 def _check_loss(loss, index):

@@ -1,0 +1,211 @@
+"""The inputs of ``gradaccum.tower.minimize``: one batch per tower.
+
+``inputs`` is either one batch (a tensor, a ``tf.SparseTensor``, or a list
+or tuple of them sharing a leading dimension), split here along axis 0 into
+one shard per tower, or a callable that each tower calls for its own batch
+(an iterator's ``get_next``). Either way :func:`tower_batches` returns each
+tower's list of inputs and its example count, the tower's weight.
+
+What is not known when the graph is built is checked when it runs: the
+shards wait for those checks, so a failing one stops the run before any
+model op or update. Variables: none. Collections: none.
+"""
+import collections
+
+from gradaccum import _validate
+from gradaccum._compat import tf
+
+Batches = collections.namedtuple("Batches", ["batch_size", "sizes", "shards"])
+Batches.__doc__ = """Each tower's inputs.
+
+Attributes:
+  batch_size: the examples of all towers: a Python int, or a scalar int32 tensor.
+  sizes: one example count per tower, Python ints or scalar int32 tensors.
+  shards: one list of inputs per tower, in the order ``inputs`` gave them.
+"""
+
+
+def tower_batches(inputs, count, every_tower):
+    """Each tower's inputs: ``inputs`` split, or ``inputs()`` called once per tower.
+
+    Args:
+      inputs: ``tower.minimize``'s ``inputs``.
+      count: the number of towers.
+      every_tower: whether every tower needs an example (``update_ops="all"``);
+        otherwise only the first does, the others may have none.
+
+    Returns:
+      A :class:`Batches`.
+
+    Raises:
+      TypeError: for inputs that are not tensors or sparse tensors.
+      ValueError: for no inputs, a scalar, mismatched static leading
+        dimensions, or too few examples known statically.
+
+    Example:
+      >>> batches = tower_batches([images, labels], 2, every_tower=False)
+    """
+    if callable(inputs) and not isinstance(inputs, type):  # A class is a value, not a source.
+        return _called(inputs, count, every_tower)
+    tensors = _check_inputs(inputs, "inputs")
+    return _split(tensors, count, count if every_tower else 1)
+
+
+def _called(inputs, count, every_tower):
+    """Calls ``inputs`` once per tower; each tower weighs its own example count."""
+    batches = []
+    for index in range(count):
+        # In tower order: tower i's batch is pulled after tower i-1's, so that
+        # the outputs, concatenated in tower order, are in the source's order.
+        after = [_component(tensor) for tensor in batches[-1]] if batches else []
+        with tf.compat.v1.name_scope("inputs_%d" % index), tf.control_dependencies(after):
+            batches.append(_check_inputs(inputs(), "inputs()"))
+        if len(batches[index]) != len(batches[0]):
+            raise ValueError("`inputs()` must return the same number of inputs for every tower, got %d for "
+                             "tower 0 and %d for tower %d" % (len(batches[0]), len(batches[index]), index))
+    sizes = [_batch_size(batch) for batch in batches]
+    needy = range(count) if every_tower else [0]
+    for index in needy:
+        if isinstance(sizes[index], int) and sizes[index] < 1:
+            raise ValueError("%s, got none for tower %d" % (_too_few_called(every_tower), index))
+    with tf.compat.v1.name_scope("batch_size"):
+        checks = [tf.compat.v1.assert_greater_equal(sizes[index], 1, message=_too_few_called(every_tower) + ":",
+                                                    name="enough_examples_%d" % index)
+                  for index in needy if not isinstance(sizes[index], int)]
+        total = sum(sizes) if all(isinstance(size, int) for size in sizes) else tf.add_n(
+            [tf.convert_to_tensor(size, tf.int32) for size in sizes])
+    shards = [_checked(batch, size, checks) for batch, size in zip(batches, sizes)]
+    return Batches(total, sizes, shards)
+
+
+def _component(tensor):
+    return tensor.values if isinstance(tensor, tf.SparseTensor) else tensor
+
+
+def _too_few_called(every_tower):
+    if every_tower:
+        return ("`inputs()` must give every tower at least one example with update_ops='all' (an empty "
+                "tower's batch statistics are NaN and would be written into the moving averages)")
+    return "`inputs()` must give the first tower at least one example"
+
+
+def _batch_size(batch):
+    """The leading dimension shared by ``batch``: a Python int when static, else a tensor."""
+    for tensor in batch:
+        if _leading(tensor) is not None:
+            return _leading(tensor)
+    return _dynamic_leading(batch[0])
+
+
+def _check_inputs(inputs, arg):
+    """Converts ``inputs`` to a list of tensors and sparse tensors that share a leading dimension."""
+    items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+    if not items:
+        raise ValueError("`%s` must be a tensor or a non-empty list of tensors, got %s"
+                         % (arg, _validate.describe(inputs)))
+    tensors = []
+    for item in items:
+        try:
+            tensor = tf.compat.v1.convert_to_tensor_or_sparse_tensor(item)
+        except (TypeError, ValueError):
+            raise TypeError("`%s` must be tensors, got %s"
+                            % (arg, _validate.describe(item))) from None
+        if tensor.shape.ndims == 0:
+            raise ValueError("`%s` must have a leading (batch) dimension, got the scalar %s"
+                             % (arg, _validate.describe(item)))
+        tensors.append(tensor)
+    leading = [_leading(t) for t in tensors]
+    if len(set(size for size in leading if size is not None)) > 1:
+        raise ValueError("`%s` must have the same leading (batch) dimension, got %s for %s"
+                         % (arg, leading, _validate.describe(tensors)))
+    return tensors
+
+
+def _leading(tensor):
+    """The static leading dimension of ``tensor``, or None."""
+    return tf.compat.dimension_value(tensor.shape[0]) if tensor.shape.ndims else None
+
+
+def _dynamic_leading(tensor):
+    """The leading dimension of a tensor or sparse tensor, as a scalar int32 tensor."""
+    if isinstance(tensor, tf.SparseTensor):
+        return tf.cast(tensor.dense_shape[0], tf.int32)
+    return tf.shape(tensor)[0]
+
+
+def _split(tensors, count, min_batch):
+    """Splits each tensor into ``count`` shards whose sizes differ by at most one."""
+    static = [_leading(t) for t in tensors if _leading(t) is not None]
+    if static:
+        batch_size = static[0]
+        if batch_size < min_batch:
+            raise ValueError("%s, got a batch of %d" % (_too_small(min_batch), batch_size))
+        # The first towers take the remainder, so tower 0 is never empty.
+        sizes = [batch_size // count + (1 if i < batch_size % count else 0) for i in range(count)]
+        split_sizes = sizes
+    else:
+        batch_size = tf.identity(_dynamic_leading(tensors[0]), name="batch_size")
+        bonus = tf.cast(tf.range(count) < batch_size % count, tf.int32)
+        split_sizes = tf.add(batch_size // count, bonus, name="shard_sizes")
+        sizes = tf.unstack(split_sizes, num=count)
+    checks = []
+    if not isinstance(batch_size, int):
+        checks.append(tf.compat.v1.assert_greater_equal(
+            batch_size, min_batch, message=_too_small(min_batch) + ":", name="enough_examples"))
+    tensors = _checked(tensors, batch_size, checks)
+    per_input = [_split_one(t, split_sizes, sizes, count) for t in tensors]
+    return Batches(batch_size, sizes, [list(shards) for shards in zip(*per_input)])
+
+
+def _split_one(tensor, split_sizes, sizes, count):
+    if not isinstance(tensor, tf.SparseTensor):
+        return tf.split(tensor, split_sizes, axis=0, num=count, name="split")
+    # Rows [start, start + size) of the batch, renumbered from 0 (tf.sparse.slice).
+    with tf.compat.v1.name_scope("split_sparse"):
+        rest = tensor.dense_shape[1:]
+        shards, start = [], tf.constant(0, tf.int64)
+        for size in sizes:
+            size = tf.cast(size, tf.int64)
+            shards.append(tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0),
+                                          tf.concat([[size], rest], 0)))
+            start += size
+        return shards
+
+
+def _too_small(min_batch):
+    if min_batch == 1:
+        return "`inputs` must hold at least one example"
+    return ("`inputs` must hold at least %d examples, one per tower, with update_ops='all' (an empty "
+            "tower's batch statistics are NaN and would be written into the moving averages)" % min_batch)
+
+
+def _checked(tensors, batch_size, checks):
+    """Makes ``tensors`` wait for ``checks`` and for run-time checks of their leading dimensions."""
+    checks = list(checks)
+    if len(tensors) > 1:
+        checks.extend(tf.compat.v1.assert_equal(
+            _dynamic_leading(tensor), batch_size, name="same_batch_%d" % index,
+            message="`inputs` must have the same leading (batch) dimension; input %d differs:" % index)
+            for index, tensor in enumerate(tensors) if _leading(tensor) is None)
+    if not checks:
+        return tensors
+    with tf.control_dependencies(checks):
+        return [identity(tensor) for tensor in tensors]
+
+
+def identity(tensor):
+    """``tf.identity`` of a tensor or of each component of a ``tf.SparseTensor``.
+
+    Args:
+      tensor: a tensor or a ``tf.SparseTensor``.
+
+    Returns:
+      Its identity, of the same kind.
+
+    Example:
+      >>> labels = identity(labels)
+    """
+    if isinstance(tensor, tf.SparseTensor):
+        return tf.SparseTensor(tf.identity(tensor.indices), tf.identity(tensor.values),
+                               tf.identity(tensor.dense_shape))
+    return tf.identity(tensor)
