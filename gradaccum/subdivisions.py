@@ -16,7 +16,11 @@ scope, with the names a plain graph gives them; the loop adds micro-batches
 2 to k. Gradients are read only inside the loop and applied after its exit,
 so no apply can overwrite a variable that a backward pass still reads (TF1
 reference variables alias their buffers). ``parallel_iterations=1`` keeps
-one micro-batch's activations in memory at a time.
+one micro-batch's activations in memory at a time. With ``devices``, each
+tower runs such a loop over its shard on its device, and the towers' sums
+are added before the window's end. ``gradaccum.batch_normalization`` pools
+every micro-batch of a run into its first call's window statistics, which
+move the moving averages once per run, as under the fused train op.
 
 Variables: none of its own. The accumulator creates only what a window's
 end needs: ``<scope>/skipped_windows`` and its observers' variables
