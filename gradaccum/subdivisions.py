@@ -405,8 +405,9 @@ def _summed_loop(model, source, k, first, state, dtypes):
     grad_dtypes, sum_dtype = dtypes
     observed = _observed(state, first)
     with tf.control_dependencies(first.to_run + observed):
-        start = _start_sums(first, grad_dtypes)
-        initial = [tf.constant(1), _weighted_loss(first, sum_dtype), tf.cast(first.weight, sum_dtype)] + start
+        start = [_weighted_loss(first, sum_dtype), tf.cast(first.weight, sum_dtype)]
+        start += _start_sums(first, grad_dtypes)
+    initial = [_after(tf.constant(1), start + observed)] + start
 
     var_scope = tf.compat.v1.get_variable_scope()
 
@@ -421,16 +422,23 @@ def _summed_loop(model, source, k, first, state, dtypes):
         with tf.control_dependencies(micro.to_run):
             added = _add_to_sums(list(sums), micro, i, grad_dtypes)
             weight = tf.cast(micro.weight, sum_dtype)
-            # Every micro-batch's update ops and observers run before the next one starts.
-            ops = micro.to_run + _observed(state, micro)
-            with tf.control_dependencies(ops):
-                following = tf.add(i, 1, name="next_micro_batch")
-            return [following, loss_sum + _weighted_loss(micro, sum_dtype), total + weight] + added
+            carried = [loss_sum + _weighted_loss(micro, sum_dtype), total + weight] + added
+            # The next micro-batch starts after this one's gradients, update ops and observers:
+            # one micro-batch's activations at a time.
+            following = _after(tf.add(i, 1), carried + micro.to_run + _observed(state, micro), "next_micro_batch")
+            return [following] + carried
 
     final = tf.compat.v1.while_loop(lambda i, *_: i < k, body, initial, back_prop=False, parallel_iterations=1,
                                     name="micro_batches")
     _, loss_sum, total = final[:3]
     return loss_sum, _finished_sums(final[3:], first.pairs), total
+
+
+def _after(value, waited, name=None):
+    """``value`` once every tensor, ``TensorArray`` (its flow) or op of ``waited`` is done."""
+    ops = [item.flow if isinstance(item, tf.TensorArray) else item for item in waited]
+    with tf.control_dependencies(ops):
+        return tf.identity(value, name=name)
 
 
 def _observed(state, micro):
