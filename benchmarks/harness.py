@@ -13,7 +13,9 @@ The API (all seconds are per micro-step, i.e. per ``session.run`` of a train op)
 
 * ``MODELS`` (name -> ``fn(images, labels, **model_args) -> loss``): add a model with one entry.
 * Trainers ``fn(model_fn, images, labels, k, make_optimizer, global_step) -> Window``:
-  ``ours``, ``ours_unweighted``, ``plain``, ``fwd_bwd`` here; a peer is one more such function.
+  ``ours``, ``ours_unweighted``, ``plain``, ``fwd_bwd``, ``ingraph`` here; a peer is one more such function.
+  A trainer that takes the whole window in one run (``ingraph``) returns ``Window(..., whole_window=True)``:
+  its bench feeds the k micro-batches end to end, and its time is still per micro-batch (window / k).
 * ``build_bench(name, model, trainer, micro, k, ...) -> Bench``: fresh graph, session, feeds,
   graph finalized; ``close(benches)``; ``random_feeds``, ``trainable_floats(graph)``.
   A bench that is not a TF graph is any ``Bench`` with a ``run_window`` (``session=None``).
@@ -76,8 +78,9 @@ MB = 1024.0 * 1024.0
 LEARNING_RATE = 1e-3  # Adam, for timing; small enough to stay finite on random labels.
 SGD_LEARNING_RATE = 1e-2  # For errors: an SGD update is proportional to its gradient.
 
-Window = collections.namedtuple("Window", ["before", "each", "after"])
-Window.__doc__ = "One window's runs: ``before``/``after`` without a feed, ``each`` once per micro-batch."
+Window = collections.namedtuple("Window", ["before", "each", "after", "whole_window"], defaults=(False,))
+Window.__doc__ = """One window's runs: ``before``/``after`` without a feed, ``each`` once per micro-batch,
+or, with ``whole_window``, once on the k micro-batches fed end to end (one run per window)."""
 Bench = collections.namedtuple("Bench", ["name", "session", "run_window", "micro_steps", "feeds", "window",
                                          "reference", "variable_bytes"])
 Bench.__doc__ = """A built, initialised variant. ``run_window(feeds=None)`` runs one window
@@ -205,6 +208,19 @@ def ours(model_fn, images, labels, k, make_optimizer, global_step, keep=None, **
     return Window([], opt.minimize(loss, global_step=global_step, weight=weight), [])
 
 
+def ingraph(model_fn, images, labels, k, make_optimizer, global_step):
+    """``gradaccum.subdivisions.minimize``: the k micro-batches in a ``tf.while_loop``, one run per window.
+
+    The same accumulator (weight = the micro-batch size) as ``ours``; the micro-batches' batch-norm
+    updates run inside the loop, so no ``update_ops()`` here.
+    """
+    import gradaccum.subdivisions
+
+    opt = gradaccum.GradientAccumulator(make_optimizer(), k)
+    result = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels], global_step=global_step)
+    return Window([], result.train_op, [], whole_window=True)
+
+
 def ours_unweighted(model_fn, images, labels, k, make_optimizer, global_step):
     """``gradaccum.GradientAccumulator`` with ``weight=None``."""
     return ours(model_fn, images, labels, k, make_optimizer, global_step, weight=None)
@@ -243,6 +259,43 @@ def random_feeds(images, labels, micro, count, seed):
              labels: rng.randint(0, 10, micro).astype(np.int32)} for _ in range(count)]
 
 
+def end_to_end(feeds):
+    """One feed of ``feeds``' micro-batches end to end, and the micro-batches again as views of it.
+
+    A whole-window bench keeps only the views, so that it holds its window's examples once, as the others do.
+
+    Example:
+      >>> whole, views = end_to_end(random_feeds(images, labels, 4, 3, 0))  # whole[images]: 12 examples
+    """
+    import numpy as np
+
+    keys = list(feeds[0])
+    whole = dict((key, np.concatenate([feed[key] for feed in feeds])) for key in keys)
+    bounds = np.cumsum([len(feed[keys[0]]) for feed in feeds])[:-1]
+    return whole, [dict(zip(keys, parts)) for parts in zip(*(np.split(whole[key], bounds) for key in keys))]
+
+
+def _window_runner(session, window, feeds):
+    """``run_window(window_feeds=None)`` of a built bench: ``before``, ``each`` per micro-batch (or once on
+    the micro-batches end to end), ``after``. Returns ``(run_window, feeds)``, ``feeds`` as the bench keeps them."""
+    whole = None
+    if window.whole_window:  # Concatenated once here: the timed runs feed it as the others feed theirs.
+        whole, feeds = end_to_end(feeds)
+
+    def run_window(window_feeds=None):
+        for op in window.before:
+            session.run(op)
+        runs = window_feeds or feeds
+        if window.whole_window:
+            runs = [end_to_end(window_feeds)[0] if window_feeds else whole]
+        for feed in runs:
+            session.run(window.each, feed)
+        for op in window.after:
+            session.run(op)
+
+    return run_window, feeds
+
+
 def _make_optimizer(name):
     tf = _tf()
     if name == "sgd":
@@ -279,7 +332,7 @@ def build_bench(name, model, trainer, micro, k, model_args=None, optimizer="adam
       reference: also build the plain gradients, for ``update_errors``.
 
     Returns:
-      A ``Bench`` with k random feeds.
+      A ``Bench`` with k random feeds (a whole-window trainer's run feeds them end to end).
 
     Example:
       >>> bench = build_bench("ours", "mlp", ours, 8, 8, {"widths": [4]})
@@ -301,22 +354,17 @@ def build_bench(name, model, trainer, micro, k, model_args=None, optimizer="adam
         ref = None
         if reference:
             variables = tf.compat.v1.trainable_variables()
-            ref = (variables, tf.gradients(losses[0], variables))
+            # A whole-window trainer's first loss is on a slice of the feed: the reference takes the model
+            # again on the placeholders (the models' variable scopes reuse their variables).
+            loss = MODELS[model](images, labels, **(model_args or {})) if window.whole_window else losses[0]
+            ref = (variables, tf.gradients(loss, variables))
         inits = [tf.compat.v1.global_variables_initializer(), tf.compat.v1.local_variables_initializer()]
     session = tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(device_count={"CPU": cpus}))
     feeds = random_feeds(images, labels, micro, k, seed)
     session.run(inits[0])
     session.run(inits[1], feeds[0])  # Horovod initialises its LOCAL_VARIABLES with zeros_like(gradient).
     graph.finalize()  # A bench that grows its graph would measure the growth.
-
-    def run_window(window_feeds=None):
-        for op in window.before:
-            session.run(op)
-        for feed in window_feeds or feeds:
-            session.run(window.each, feed)
-        for op in window.after:
-            session.run(op)
-
+    run_window, feeds = _window_runner(session, window, feeds)
     return Bench(name, session, run_window, k, feeds, window, ref, _variable_bytes(graph))
 
 

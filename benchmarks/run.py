@@ -49,7 +49,18 @@ TARGETS = {
     "mlp10m_overhead_over_floor": (1.10, "10M MLP, (ours - fwd+bwd) / floor, per micro-step"),
     "fused_over_plain_time": (1.02, "the example's CNN, ours / plain training, time per micro-step"),
     "accumulated_peak_over_micro_peak_plus_params": (1.05, "CNN, peak RSS: k micro-batches / (plain micro + params)"),
+    "cnn_ingraph_over_best_peer_time": (0.90, "the example's CNN, in-graph (one run per window) / the best of ours, "
+                                              "the manual pattern, tensorpack and plain, time per micro-batch"),
+    "mlp10m_ingraph_over_best_exact_time": (1.00, "10M MLP, in-graph / the best exact one of ours, the manual "
+                                                  "pattern and plain, time per micro-batch"),
+    "ingraph_peak_over_micro_peak_plus_params": (1.05, "CNN, peak RSS: in-graph, fed the whole batch / (plain micro "
+                                                       "+ params + sums)"),
 }
+# The A/A row (the same graph built twice) beside a target on that model: the resolution of its ratio.
+AA_KEYS = {"mlp10m_weighted_over_unweighted_time": "mlp10m_twin_over_ours_time",
+           "fused_over_plain_time": "cnn_twin_over_ours_time",
+           "cnn_ingraph_over_best_peer_time": "cnn_twin_over_ours_time",
+           "mlp10m_ingraph_over_best_exact_time": "mlp10m_twin_over_ours_time"}
 
 
 def parse_args(argv=None):
@@ -109,13 +120,37 @@ def run_family(name, args, log):
     return results, failures
 
 
+def verdict(value, ci, target):
+    """``"met"``, ``"NOT met"``, ``"not resolved"`` (the 95% interval straddles the target: the ratio is
+    within its own noise of it) or ``"not measured"``.
+
+    Example:
+      >>> verdict(0.88, [0.86, 0.91], 0.90)
+      'not resolved'
+    """
+    if value is None:
+        return "not measured"
+    if ci and None not in ci and ci[0] <= target < ci[1]:
+        return "not resolved"
+    return "met" if value <= target else "NOT met"
+
+
+def verdicts(summary):
+    """``{target key: verdict}`` of this run (see ``verdict``)."""
+    return dict((key, verdict(summary.get(key), summary.get(key + "_ci95"), target))
+                for key, (target, _) in TARGETS.items())
+
+
 def headline(summary):
-    """Markdown lines: each target key with its value and verdict."""
+    """Markdown lines: each target key with its value, 95% interval, A/A row and verdict."""
     lines = ["### Headline", ""]
     for key, (target, what) in TARGETS.items():
-        value = summary.get(key)
-        verdict = "not measured" if value is None else "met" if value <= target else "NOT met"
-        lines.append("- %s (`%s`): **%s**, target <= %.2f: %s." % (what, key, harness.fmt(value), target, verdict))
+        peer = " against %s" % summary[key + "_peer"] if summary.get(key + "_peer") else ""
+        aa = "; A/A on this model %s%s" % (harness.fmt(summary.get(AA_KEYS[key])), _ci(summary, AA_KEYS[key])) \
+            if key in AA_KEYS else ""
+        lines.append("- %s (`%s`): **%s**%s%s%s, target <= %.2f: %s." % (
+            what, key, harness.fmt(summary.get(key)), _ci(summary, key), peer, aa, target,
+            verdict(summary.get(key), summary.get(key + "_ci95"), target)))
     if summary.get("floor_ms") is not None:
         lines.append("- Floor: %.2f ms per micro-step = %.0f MB (one accumulate pass, plus one scaling pass / k) at "
                      "%.1f GB/s (`a += b`, best of TF and numpy each round; TF %.1f, numpy %.1f GB/s); forward + "
@@ -162,6 +197,15 @@ def docs_table(summary):
             row("stream bandwidth (`a += b`), GB/s", "stream_bandwidth_gbs", "-", 1),
             row("CNN, peak RSS: ours on k micro-batches / (plain micro-batch + params)",
                 "accumulated_peak_over_micro_peak_plus_params", "<= 1.05"),
+            row("the example's CNN: in-graph (one run per window) / the best of ours, the manual pattern, "
+                "tensorpack and plain, time per micro-batch", "cnn_ingraph_over_best_peer_time", "<= 0.90"),
+            row("10M MLP: in-graph / the best exact one of ours, the manual pattern and plain, time per micro-batch",
+                "mlp10m_ingraph_over_best_exact_time", "<= 1.00"),
+            row("CNN, peak RSS: in-graph, fed the whole batch / (plain micro-batch + params + sums)",
+                "ingraph_peak_over_micro_peak_plus_params", "<= 1.05"),
+            row("the same, TensorFlow's allocator (BFC) peak", "tf_allocator_ingraph_peak_over_micro_peak_plus_params"),
+            row("the same (TF's peak), the whole batch's fed inputs added to the bound",
+                "tf_allocator_ingraph_peak_over_micro_peak_plus_params_plus_feed"),
             row("statistics on / off, CNN", "statistics_on_over_off_time_cnn"),
             row("statistics on / off, 10M MLP", "statistics_on_over_off_time_mlp10m"),
             row("window-statistics BN / TF BN under the accumulator, CNN", "window_bn_over_tf_bn_time"),
@@ -232,6 +276,7 @@ def main(argv=None):
         tensorflow=versions, seconds=time.time() - start, load_average=[load, os.getloadavg()[0]],
         command="python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         failures=failures, raw=raw)
+    summary["verdicts"] = verdicts(summary)
     text = "\n".join(["# gradaccum benchmarks", "",
                       "%s, %s, TensorFlow %s. `%s`, %.0f s, load average %.1f then %.1f%s." % (
                           summary["date"], summary["machine"], ", ".join(versions), summary["command"].strip(),

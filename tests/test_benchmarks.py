@@ -65,6 +65,32 @@ def test_time_side_by_side_shuffles_the_order_and_respects_its_time_budget():
     assert len(harness.time_side_by_side(slow, rounds=50, warmup=0, max_seconds=0.05, min_rounds=1)["s"]) < 50
 
 
+def test_a_whole_window_is_fed_end_to_end_and_its_micro_batches_are_views_of_it():
+    import numpy as np
+
+    feeds = harness.random_feeds("images", "labels", 4, 3, 0)
+    whole, views = harness.end_to_end(feeds)
+    assert whole["images"].shape == (12, 28, 28, 1) and whole["labels"].shape == (12,)
+    assert len(views) == 3 and all(np.shares_memory(view["images"], whole["images"]) for view in views)
+    for feed, view in zip(feeds, views):
+        assert all(np.array_equal(feed[key], view[key]) for key in feed)
+
+
+def test_a_whole_window_bench_runs_once_per_window_and_is_exact():
+    import tensorflow as tf
+
+    bench = harness.build_bench("ingraph", "mlp", harness.ingraph, 4, 3, {"widths": [8]}, optimizer="sgd",
+                                reference=True)
+    try:
+        assert bench.window.whole_window and bench.micro_steps == 3  # Its time is per micro-batch, as the others'.
+        step = tf.compat.v1.train.get_global_step(bench.session.graph)
+        bench.run_window()
+        assert bench.session.run(step) == 1
+        assert max(harness.update_errors(bench, 2)) < 1e-4
+    finally:
+        bench.session.close()
+
+
 def test_stream_bandwidth_counts_read_read_write_and_takes_the_faster_bench():
     times = {"stream": [0.012, 0.006], "stream_numpy": [0.024, 0.003]}
     assert harness.stream_bandwidth_gbs(times, 10 ** 8) == pytest.approx([100.0, 400.0])
@@ -79,10 +105,10 @@ def _peers_results():
                      "fwd_bwd": ms(4.0, 4.0, 4.0),
                      "plain": ms(6.0, 6.0, 6.0), "seeds_manual": ms(5.4, 5.4, 5.4), "tensorpack": ms(5.2, 5.3, 5.2),
                      "stream": ms(1.2, 1.2, 1.2), "stream_numpy": ms(2.4, 2.4, 2.4),
-                     "wrapped_apply": ms(2.6, 2.6, 2.6)},
+                     "wrapped_apply": ms(2.6, 2.6, 2.6), "ingraph": ms(5.0, 5.0, 5.0)},
            "skipped": {"horovod": "horovod is not installed"},
            "errors": {"ours": [1e-7, 2e-7], "ours_unweighted": [1e-7, 1e-7], "seeds_manual": [3e-7, 1e-7],
-                      "tensorpack": [7.0, 1.0]},
+                      "tensorpack": [7.0, 1.0], "ingraph": [2e-7, 1e-7]},
            "variable_bytes": {"ours": 16e6}, "profile": {
                "steps": [[["gradients", "MatMul", 2.0], ["GradientAccumulator", "AssignAdd", 1.0]]] * 7 +
                         [[["gradients", "MatMul", 2.0], ["GradientAccumulator", "RealDiv", 0.5],
@@ -90,7 +116,8 @@ def _peers_results():
                "fwd_bwd": [["gradients", "MatMul", 2.1]]},
            "spec": {"kind": "time", "setup": "mlp10m"}}
     cnn = {"setup": "cnn", "tag": None, "micro": 100, "k": 5, "model": "cnn", "model_args": {"width": 16},
-           "params": None, "times": {"ours": ms(40, 44), "ours_twin": ms(40, 44 * 0.98), "plain": ms(40, 40)},
+           "params": None, "times": {"ours": ms(40, 44), "ours_twin": ms(40, 44 * 0.98), "plain": ms(40, 40),
+                                     "ingraph": ms(35, 38.4)},
            "skipped": {}, "errors": {"ours": [0.0]}, "variable_bytes": {}, "profile": None,
            "spec": {"kind": "time", "setup": "cnn"}}
     onednn = dict(cnn, tag="onednn_off", times={"ours": ms(40, 40), "plain": ms(41, 41)},
@@ -114,6 +141,14 @@ def test_peers_summary_has_the_floor_and_the_peers_rows():
     assert keys["fused_over_plain_time"] == pytest.approx(1.05)  # median of 1.0 and 1.1.
     assert keys["fused_over_plain_time_onednn_off"] == pytest.approx(40.0 / 41.0)
     assert keys["cnn_twin_over_ours_time"] == pytest.approx(0.99)  # median of 1.0 and 0.98.
+    # In-graph over the peer it beats least: plain on the CNN (0.875, 0.96; ours 0.875, 0.873). On the MLP
+    # tensorpack, not exact, is left out: over it 0.962, over ours 0.943.
+    assert keys["cnn_ingraph_over_best_peer_time"] == pytest.approx(0.9175)
+    assert keys["cnn_ingraph_over_best_peer_time_ci95"] == pytest.approx([0.875, 0.96])
+    assert keys["cnn_ingraph_over_best_peer_time_peer"] == "plain"
+    assert keys["mlp10m_ingraph_over_best_exact_time"] == pytest.approx(5.0 / 5.3)
+    assert keys["mlp10m_ingraph_over_best_exact_time_peer"] == "ours"
+    assert peers.over_best({"ingraph": [1.0]}, "ingraph", ("ours", "plain")) == (None, None, None)
     rows = dict(((r["model"], r["name"]), r) for r in keys["peers"])
     assert rows[("mlp10m", "tensorpack")]["max_rel_error_vs_full_batch"] == 7.0
     assert rows[("mlp10m", "tensorpack")]["time_ratio"] == pytest.approx(5.2 / 5.3)
@@ -153,7 +188,7 @@ def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
     summary.update(memory.summarize([])[0])
     for key in list(run.TARGETS) + ["stream_bandwidth_gbs", "floor_ms", "statistics_on_over_off_time_mlp10m",
                                     "window_bn_over_tf_bn_time", "towers2_sync_bn_over_per_tower_bn_time"]:
-        assert key in summary or key.startswith("accumulated_peak"), key
+        assert key in summary or key.startswith(("accumulated_peak", "ingraph_peak")), key
     for row in summary["peers"]:
         assert {"name", "time_ratio", "max_rel_error_vs_full_batch"} <= set(row)
     path = tmp_path / "bench.json"
@@ -162,10 +197,26 @@ def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
     table = run.docs_table(summary)
     assert "| mlp10m | tensorpack `AccumGradOptimizer` | 0.981 (0.981-1.000) | 7 | n/a |" in table
     assert "| 10M MLP: (ours - forward+backward) / floor | **1.000** (95% CI 1.000-1.000) | <= 1.10 |" in table
+    assert "| mlp10m | gradaccum `subdivisions.minimize`: the window in one run (`tf.while_loop`) | 0.943 " \
+        "(0.943-0.943) | 2e-07 | n/a |" in table
     lines = run.headline(summary)
-    assert any("`mlp10m_overhead_over_floor`): **1.000**, target <= 1.10: met" in line for line in lines)
+    assert any("`mlp10m_overhead_over_floor`): **1.000** (95% CI 1.000-1.000), target <= 1.10: met" in line
+               for line in lines)
+    assert any("`cnn_ingraph_over_best_peer_time`): **0.917** (95% CI 0.875-0.960) against plain; A/A on this "
+               "model 0.990 (95% CI 0.980-1.000), target <= 0.90: not resolved." in line for line in lines)
+    assert any("`mlp10m_ingraph_over_best_exact_time`): **0.943** (95% CI 0.943-0.943) against ours; A/A on "
+               "this model 1.000" in line and line.endswith("target <= 1.00: met.") for line in lines)
+    assert run.verdicts(summary)["ingraph_peak_over_micro_peak_plus_params"] == "not measured"
     assert any("(`accumulated_peak_over_micro_peak_plus_params`): **n/a**" in line for line in lines)
     assert any("ours is 0.750 times the floor. The least any" in line and "is 1.058 times" in line for line in lines)
+
+
+@pytest.mark.parametrize("value, ci, verdict", [
+    (0.85, [0.80, 0.89], "met"), (0.88, [0.86, 0.91], "not resolved"), (0.88, [0.90, 0.95], "not resolved"),
+    (0.92, [0.91, 0.95], "NOT met"), (0.85, None, "met"), (0.95, [None, None], "NOT met"), (None, None, "not measured"),
+])
+def test_a_verdict_is_not_resolved_when_the_interval_straddles_the_target(value, ci, verdict):
+    assert run.verdict(value, ci, 0.90) == verdict
 
 
 def test_features_summary_reports_skipped_rows_as_none():
@@ -184,18 +235,29 @@ def test_features_summary_reports_skipped_rows_as_none():
 
 def test_memory_summary_takes_medians_and_the_largest_k():
     def record(config, k, micro, rss, tf_mb, repeat):
-        return {"peak_rss_bytes": rss * MB, "tf_peak_bytes": tf_mb * MB, "param_bytes": 1 * MB,
+        return {"peak_rss_bytes": rss * MB, "tf_peak_bytes": tf_mb * MB, "param_bytes": 1 * MB, "feed_bytes": 2 * MB,
                 "spec": {"config": config, "k": k, "micro": micro, "repeat": repeat}}
     results = []
     for repeat, delta in enumerate((0, 2)):
         results += [record("full", 1, 100, 900 + delta, 300, repeat), record("plain", 4, 25, 650 + delta, 75, repeat),
-                    record("ours", 1, 100, 905 + delta, 305, repeat), record("ours", 4, 25, 660 + delta, 79, repeat)]
+                    record("ours", 1, 100, 905 + delta, 305, repeat), record("ours", 4, 25, 660 + delta, 79, repeat),
+                    record("ingraph", 1, 100, 906 + delta, 306, repeat),
+                    record("ingraph", 4, 25, 662 + delta, 80, repeat)]
     keys, lines = memory.summarize(results)
     assert keys["memory_ratios_k"] == 4
     assert keys["accumulated_peak_over_micro_peak_plus_params"] == pytest.approx(661.0 / 652.0)
     assert keys["accumulated_peak_over_full_batch_peak"] == pytest.approx(661.0 / 901.0)
     assert keys["tf_allocator_accumulated_peak_over_micro_peak_plus_params"] == pytest.approx(79.0 / 76.0)
     assert "| 4 | 651 MB | 661 MB | 1.014 | 0.734 | 75 MB | 79 MB | 1.039 | 0.263 |" in lines
+    # In-graph: the bound holds two copies of the parameters; the interval is the repeats' range (two of them).
+    assert keys["ingraph_peak_over_micro_peak_plus_params"] == pytest.approx(663.0 / 653.0)
+    assert keys["ingraph_peak_over_micro_peak_plus_params_ci95"] == pytest.approx([664.0 / 654.0, 662.0 / 652.0])
+    assert keys["tf_allocator_ingraph_peak_over_micro_peak_plus_params"] == pytest.approx(80.0 / 77.0)
+    assert keys["tf_allocator_ingraph_peak_over_micro_peak_plus_params_plus_feed"] == pytest.approx(80.0 / 79.0)
+    assert keys["ingraph_peak_over_full_batch_peak"] == pytest.approx(663.0 / 901.0)
+    assert keys["ingraph_feed_bytes"] == 2 * MB
+    assert "| 4 | 651 MB | 663 MB | 1.015 | 0.736 | 75 MB | 80 MB | 1.039 | 0.267 |" in lines
+    assert any("fed the whole batch (2.0 MB of inputs)" in line and "1.013 (TF)" in line for line in lines)
 
 
 def test_plans_name_only_known_rows_and_groups():
@@ -205,6 +267,7 @@ def test_plans_name_only_known_rows_and_groups():
             assert spec["kind"] != "memory" or spec["row"] not in peers.TIMING_ONLY  # ours_twin: ours' graph
         assert [spec["group"] for spec in features.plan(quick)] == list(features.GROUPS)
         assert all(spec["env"]["TF_CPU_ALLOCATOR_USE_BFC"] == "true" for spec in memory.plan(quick))
+        assert {"full", "plain", "ours", "ingraph"} == set(spec["config"] for spec in memory.plan(quick))
     assert all(set(group["rows"]) <= set(features.ROWS) for group in features.GROUPS.values())
 
 
@@ -214,9 +277,9 @@ def test_tiny_peers_measurement_gives_finite_times_and_the_right_errors():
     for name, series in result["times"].items():
         assert len(series) == 2 and all(math.isfinite(t) and t > 0 for t in series), name
     assert set(result["times"]) >= {"ours", "ours_unweighted", "ours_twin", "plain", "fwd_bwd", "seeds_manual",
-                                    "stream"}
+                                    "stream", "ingraph"}
     assert result["params"] == 784 * 8 + 8 + 8 * 10 + 10
-    for row in ("ours", "ours_unweighted", "seeds_manual"):
+    for row in ("ours", "ours_unweighted", "seeds_manual", "ingraph"):
         assert max(result["errors"][row]) < 1e-4, row
     if "tensorpack" in result["errors"]:  # It sums: k - 1 = 2 off, or worse when its counter races.
         assert max(result["errors"]["tensorpack"]) > 1.5
@@ -278,10 +341,12 @@ def test_sharded_bench_names_an_unknown_engine(capsys):
     assert "--engines: unknown engine 'stage3' (known: unsharded, sharded, stage12)" in capsys.readouterr().err
 
 
-def test_memory_child_reports_sane_figures(tf_mode):
-    spec = {"mode": tf_mode, "kind": "memory", "config": "ours", "micro": 3, "k": 2, "repeat": 0,
+@pytest.mark.parametrize("config", ["ours", "ingraph"])
+def test_memory_child_reports_sane_figures(tf_mode, config):
+    spec = {"mode": tf_mode, "kind": "memory", "config": config, "micro": 3, "k": 2, "repeat": 0,
             "model_args": {"width": 2}}
     result = harness.run_child("memory", spec, 240, {"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    assert result["feed_bytes"] == 2 * 3 * (28 * 28 * 4 + 4)  # The window's examples, held once.
     # Conv kernels 3x3x(1*2 + 2*4 + 4*6 + 6*8 + 8*10) and BN gamma, beta; the dense head depends on the example's.
     assert result["mode"] == tf_mode and result["param_bytes"] > 4 * (9 * 162 + 2 * 30)
     assert result["peak_rss_bytes"] >= result["rss_before_bytes"] > 0
