@@ -200,11 +200,11 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
         if update_ops is None:
             update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
-        weighted_grads = _weight_in_backprop(self, loss, weight, var_list)
+        weighted_grads = weight_in_backprop(self, loss, weight, var_list)
         if weighted_grads:
             # Backprop carries the weight from the loss to every gradient for free,
             # where the accumulate kernel would multiply each one on every micro-step.
-            grad_loss = _weighted_grad_loss(loss, grad_loss, weight)
+            grad_loss = weighted_grad_loss(loss, grad_loss, weight)
         grads_and_vars = self.compute_gradients(
             loss, var_list=var_list, gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
@@ -321,8 +321,11 @@ def _check_outside_control_flow(name):
             "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % name)
 
 
-def _weight_in_backprop(accumulator, loss, weight, var_list):
+def weight_in_backprop(accumulator, loss, weight, var_list):
     """Whether ``minimize`` folds ``weight`` into ``grad_loss`` (k > 1 windows only).
+
+    Backprop then carries the weight from the loss to every gradient for
+    free, where the sum would multiply each one on every micro-batch.
 
     Not with statistics, which need each micro-batch's unweighted gradients,
     nor under a loss-scale optimizer, whose overflow test would then see the
@@ -445,8 +448,8 @@ def _crosses_processes(loss):
     return False
 
 
-def _weighted_grad_loss(loss, grad_loss, weight):
-    """``grad_loss`` (ones, when None) times ``weight``, in the loss's dtype."""
+def weighted_grad_loss(loss, grad_loss, weight):
+    """``grad_loss`` (ones, when None) times ``weight``, in the loss's dtype: with :func:`weight_in_backprop`."""
     loss = tf.convert_to_tensor(loss)
     ones = tf.ones_like(loss) if grad_loss is None else grad_loss
     return ones * tf.cast(weight, loss.dtype.base_dtype)

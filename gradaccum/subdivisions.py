@@ -41,7 +41,7 @@ from gradaccum import tower
 from gradaccum._compat import tf, v1_control_flow
 from gradaccum._gradients import weighted
 from gradaccum._update_ops import split_update_ops
-from gradaccum.accumulator import GradientAccumulator, check_global_step
+from gradaccum.accumulator import GradientAccumulator, check_global_step, weight_in_backprop, weighted_grad_loss
 from gradaccum.observers import MicroBatch
 
 SubdividedTraining = collections.namedtuple("SubdividedTraining", ["train_op", "loss", "num_micro_batches"])
@@ -345,9 +345,10 @@ def _checked_batch(tensors, k):
 # ------------------------------------------------------------------ one micro-batch
 
 # One micro-batch as built: its mean loss and weight, its (gradient,
-# variable) pairs, the plain update ops to run, and its window batch-norm
-# statistics (gradaccum._update_ops), which fold into the window's.
-_Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "to_run", "stats"])
+# variable) pairs, the plain update ops to run, its window batch-norm
+# statistics (gradaccum._update_ops), which fold into the window's, and the
+# weight its gradients still need (None: backprop carried it).
+_Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "to_run", "stats", "grad_weight"])
 
 
 def _micro_batch(model, source, keep, var_list=None, optimizer=None):
@@ -365,16 +366,19 @@ def _micro_batch(model, source, keep, var_list=None, optimizer=None):
     created = list(updates[before:])
     if not keep:
         del updates[before:]
-    pairs = optimizer.compute_gradients(loss, var_list=var_list)
+    in_backprop = weight_in_backprop(model.optimizer, loss, weight, var_list)
+    grad_loss = weighted_grad_loss(loss, None, weight) if in_backprop else None
+    pairs = optimizer.compute_gradients(loss, var_list=var_list, grad_loss=grad_loss)
     if var_list is None:
         pairs = [(grad, var) for grad, var in pairs if grad is not None]
         if not pairs:
             raise ValueError("No gradients provided for any variable: `model_fn`'s loss %s depends on no "
                              "trainable variable" % _validate.describe(loss))
+    grad_weight = None if in_backprop else weight
     if isinstance(update_ops, (list, tuple)):  # []: none
-        return _Micro(loss, weight, pairs, [], [])
+        return _Micro(loss, weight, pairs, [], [], grad_weight)
     plain, stats = split_update_ops(created)
-    return _Micro(loss, weight, pairs, plain, stats)
+    return _Micro(loss, weight, pairs, plain, stats, grad_weight)
 
 
 def _loss_and_weight(result, size):
@@ -460,14 +464,14 @@ def _start_sums(first, grad_dtypes):
     flat = []
     for (grad, _), dtype in zip(first.pairs, grad_dtypes):
         if isinstance(grad, tf.IndexedSlices):
-            rows, indices = _rows(grad, first.weight, dtype)
+            rows, indices = _rows(grad, first.grad_weight, dtype)
             shape = tf.TensorShape([None]).concatenate(rows.shape[1:])
             flat.append(tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False,
                                        element_shape=shape).write(0, rows))
             flat.append(tf.TensorArray(indices.dtype, size=0, dynamic_size=True, infer_shape=False,
                                        element_shape=tf.TensorShape([None])).write(0, indices))
         else:
-            flat.append(weighted(tf.cast(grad, dtype), first.weight))
+            flat.append(weighted(tf.cast(grad, dtype), first.grad_weight))
     return flat
 
 
@@ -476,11 +480,11 @@ def _add_to_sums(sums, micro, i, grad_dtypes):
     out, position = [], 0
     for (grad, _), dtype in zip(micro.pairs, grad_dtypes):
         if isinstance(sums[position], tf.TensorArray):
-            rows, indices = _rows(grad, micro.weight, dtype)
+            rows, indices = _rows(grad, micro.grad_weight, dtype)
             out.extend([sums[position].write(i, rows), sums[position + 1].write(i, indices)])
             position += 2
         else:
-            out.append(sums[position] + weighted(tf.cast(grad, dtype), micro.weight))
+            out.append(sums[position] + weighted(tf.cast(grad, dtype), micro.grad_weight))
             position += 1
     return out
 
