@@ -47,7 +47,7 @@ def tower_batches(inputs, count, every_tower):
     """
     if callable(inputs) and not isinstance(inputs, type):  # A class is a value, not a source.
         return _called(inputs, count, every_tower)
-    tensors = _check_inputs(inputs, "inputs")
+    tensors = check_inputs(inputs, "inputs")
     return _split(tensors, count, count if every_tower else 1)
 
 
@@ -59,7 +59,7 @@ def _called(inputs, count, every_tower):
         # the outputs, concatenated in tower order, are in the source's order.
         after = [_component(tensor) for tensor in batches[-1]] if batches else []
         with tf.compat.v1.name_scope("inputs_%d" % index), tf.control_dependencies(after):
-            batches.append(_check_inputs(inputs(), "inputs()"))
+            batches.append(check_inputs(inputs(), "inputs()"))
         if len(batches[index]) != len(batches[0]):
             raise ValueError("`inputs()` must return the same number of inputs for every tower, got %d for "
                              "tower 0 and %d for tower %d" % (len(batches[0]), len(batches[index]), index))
@@ -74,7 +74,7 @@ def _called(inputs, count, every_tower):
                   for index in needy if not isinstance(sizes[index], int)]
         total = sum(sizes) if all(isinstance(size, int) for size in sizes) else tf.add_n(
             [tf.convert_to_tensor(size, tf.int32) for size in sizes])
-    shards = [_checked(batch, size, checks) for batch, size in zip(batches, sizes)]
+    shards = [checked(batch, size, checks) for batch, size in zip(batches, sizes)]
     return Batches(total, sizes, shards)
 
 
@@ -97,8 +97,23 @@ def _batch_size(batch):
     return _dynamic_leading(batch[0])
 
 
-def _check_inputs(inputs, arg):
-    """Converts ``inputs`` to a list of tensors and sparse tensors that share a leading dimension."""
+def check_inputs(inputs, arg):
+    """Converts ``inputs`` to a list of tensors and sparse tensors that share a leading dimension.
+
+    Args:
+      inputs: a tensor (or ``tf.SparseTensor``), or a list or tuple of them.
+      arg: the argument's name, for the messages.
+
+    Returns:
+      A non-empty list of tensors and sparse tensors.
+
+    Raises:
+      TypeError: for an item that is no tensor.
+      ValueError: for no item, a scalar, or different static leading dimensions.
+
+    Example:
+      >>> tensors = check_inputs([images, labels], "inputs")
+    """
     items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
     if not items:
         raise ValueError("`%s` must be a tensor or a non-empty list of tensors, got %s"
@@ -152,7 +167,7 @@ def _split(tensors, count, min_batch):
     if not isinstance(batch_size, int):
         checks.append(tf.compat.v1.assert_greater_equal(
             batch_size, min_batch, message=_too_small(min_batch) + ":", name="enough_examples"))
-    tensors = _checked(tensors, batch_size, checks)
+    tensors = checked(tensors, batch_size, checks)
     per_input = [_split_one(t, split_sizes, sizes, count) for t in tensors]
     return Batches(batch_size, sizes, [list(shards) for shards in zip(*per_input)])
 
@@ -179,8 +194,20 @@ def _too_small(min_batch):
             "tower's batch statistics are NaN and would be written into the moving averages)" % min_batch)
 
 
-def _checked(tensors, batch_size, checks):
-    """Makes ``tensors`` wait for ``checks`` and for run-time checks of their leading dimensions."""
+def checked(tensors, batch_size, checks):
+    """Makes ``tensors`` wait for ``checks`` and for run-time checks of their leading dimensions.
+
+    Args:
+      tensors: from :func:`check_inputs`.
+      batch_size: the leading dimension they must share (a scalar tensor or int).
+      checks: more ops to wait for.
+
+    Returns:
+      The tensors, each an identity that runs after the checks.
+
+    Example:
+      >>> tensors = checked(tensors, tf.shape(tensors[0])[0], [enough])
+    """
     checks = list(checks)
     if len(tensors) > 1:
         checks.extend(tf.compat.v1.assert_equal(

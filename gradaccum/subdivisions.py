@@ -35,6 +35,7 @@ run inside the train op.
 """
 import collections
 
+from gradaccum import _tower_inputs
 from gradaccum import _validate
 from gradaccum import _window
 from gradaccum import tower
@@ -270,9 +271,8 @@ def _input_sources(inputs, k, towers):
     """One source per tower: ``source(i)`` is ``(tensors, size)`` of the tower's micro-batch i."""
     if callable(inputs) and not isinstance(inputs, (tf.Tensor, tf.Variable)):
         return [lambda i: _pulled(inputs)] * towers
-    tensors = _as_tensors(inputs, "inputs")
     k_static = tf.get_static_value(k)
-    n = _checked_batch(tensors, k * towers if k_static is None else int(k_static) * towers)
+    tensors, n = _checked_batch(_dense(inputs, "inputs"), k * towers if k_static is None else int(k_static) * towers)
 
     def source_for(tower_index):
         shard_start, shard_size = _part(n, towers, tower_index)
@@ -296,50 +296,33 @@ def _part(n, parts, index):
 
 def _pulled(inputs):
     """One micro-batch from a callable input, and its size (its first tensor's leading dimension)."""
-    tensors = _as_tensors(inputs(), "inputs()")
+    tensors = _dense(inputs(), "inputs()")
     return tensors, tf.shape(tensors[0])[0]
 
 
-def _as_tensors(value, arg):
-    """``value`` as a non-empty list of tensors with a leading (batch) dimension."""
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    if not items:
-        raise ValueError("`%s` must give a tensor or a non-empty list of tensors, got %s"
-                         % (arg, _validate.describe(value)))
-    tensors = []
-    for item in items:
-        try:
-            tensor = tf.convert_to_tensor(item)
-        except (TypeError, ValueError):
-            raise TypeError("`%s` must give tensors, got %s" % (arg, _validate.describe(item))) from None
-        if tensor.shape.ndims == 0:
-            raise ValueError("`%s` must have a leading (batch) dimension, got the scalar %s"
-                             % (arg, _validate.describe(item)))
-        tensors.append(tensor)
+def _dense(value, arg):
+    """``value`` as a non-empty list of dense tensors with a shared leading (batch) dimension."""
+    tensors = _tower_inputs.check_inputs(value, arg)
+    sparse = [tensor for tensor in tensors if isinstance(tensor, tf.SparseTensor)]
+    if sparse:
+        raise ValueError("`%s` must be dense tensors: the loop slices them along axis 0; densify a "
+                         "tf.SparseTensor inside model_fn (tf.sparse.to_dense), or use tower.minimize, got %s"
+                         % (arg, _validate.describe(sparse[0])))
     return tensors
 
 
-def _checked_batch(tensors, k):
-    """The batch size n as an int32 tensor, after run-time checks that n >= k and the inputs agree."""
-    static = [tf.compat.dimension_value(t.shape[0]) for t in tensors if t.shape.ndims]
-    known = sorted(set(size for size in static if size is not None))
-    if len(known) > 1:
-        raise ValueError("`inputs` must have the same leading (batch) dimension, got %s" % known)
-    k_static = tf.get_static_value(k)
-    if known and k_static is not None and known[0] < k_static:
+def _checked_batch(tensors, needed):
+    """``(tensors, n)``: the inputs and their batch size n, after checks that n >= ``needed`` and they agree."""
+    static = tf.compat.dimension_value(tensors[0].shape[0])
+    if static is not None and isinstance(needed, int) and static < needed:
         raise ValueError("`inputs` must hold at least num_micro_batches x towers (%d) examples, got a batch of %d"
-                         % (k_static, known[0]))
+                         % (needed, static))
     n = tf.shape(tensors[0], name="batch_size")[0]
-    checks = [tf.compat.v1.assert_greater_equal(
-        n, k, name="enough_examples",
+    enough = tf.compat.v1.assert_greater_equal(
+        n, needed, name="enough_examples",
         message="`inputs` must hold at least num_micro_batches x towers examples (one per micro-batch); "
-                "batch, needed:")]
-    checks.extend(tf.compat.v1.assert_equal(
-        tf.shape(tensor)[0], n, name="same_batch_%d" % index,
-        message="`inputs` must have the same leading (batch) dimension; input %d differs:" % index)
-        for index, tensor in enumerate(tensors[1:], 1))
-    with tf.control_dependencies(checks):
-        return tf.identity(n)
+                "batch, needed:")
+    return _tower_inputs.checked(tensors, n, [enough]), n
 
 
 # ------------------------------------------------------------------ one micro-batch

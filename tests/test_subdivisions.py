@@ -575,6 +575,13 @@ def test_bad_arguments_are_one_clear_error(arguments, error, message):
             _build(**arguments)
 
 
+def test_sparse_inputs_are_refused_in_one_line():
+    with tf.Graph().as_default():
+        sparse = tf.SparseTensor([[0, 0]], tf.constant([1.0], tf.float64), [23, 4])
+        with pytest.raises(ValueError, match="`inputs` must be dense tensors: the loop slices them along axis 0"):
+            _build(inputs=[sparse, v1.placeholder(tf.int32, [None]), v1.placeholder(tf.float64, [None])])
+
+
 def test_stage_2_sharding_is_refused():
     with tf.Graph().as_default():
         sharded = gradaccum.ShardedAllReduce(OPTIMIZERS["sgd"](), None, shard_cache=True)
