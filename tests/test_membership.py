@@ -238,7 +238,8 @@ def _launch_with_restarts(engine, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("engine", ["collective", "sharded", "stage2"])
+# Stage 1 resizes as stage 2 does (the 2 -> 3 test runs all three): two of them keep CI's time.
+@pytest.mark.parametrize("engine", ["collective", "stage2"])
 def test_a_worker_killed_mid_window_restarts_the_job_on_2_workers_which_equals_one_process(engine, tmp_path):
     out, printed, said = _launch_with_restarts(engine, tmp_path)
     assert re.search(r"^gradaccum\.launch: restart 1 of 1: worker:2 died with signal 9 \(SIGKILL\); restarting 2 "
