@@ -63,13 +63,13 @@ def build(width, subdivisions, rate, statistics=False, in_graph=False):
         logits = build_logits(images, is_training, width)
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
 
+    loss = None if in_graph else model_fn(images, labels)
     step = tf.compat.v1.train.get_or_create_global_step()
     adam = tf.compat.v1.train.AdamOptimizer(rate(step) if callable(rate) else rate)
     opt = gradaccum.GradientAccumulator(adam, subdivisions, statistics=statistics)
     if in_graph:  # the whole batch in one run, split into micro-batches in a tf.while_loop
         train_op, loss, _ = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels], global_step=step)
     else:
-        loss = model_fn(images, labels)
         train_op = opt.minimize(loss, global_step=step, weight=tf.shape(images)[0])  # and batch norm's updates
     logits = build_logits(images, is_training, width)  # the same variables, for the test set
     correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), labels), tf.int32))
