@@ -34,6 +34,7 @@ out again (no op outside the loop can run them), and every micro-batch's
 run inside the train op.
 """
 import collections
+import contextlib
 
 from gradaccum import _tower_inputs
 from gradaccum import _validate
@@ -161,11 +162,12 @@ class _Tower(object):
         self._var_scope = tf.compat.v1.get_variable_scope()
         self.first = None
 
+    @contextlib.contextmanager
     def _building(self):
         """The tower's scopes: its name, device function and (after the first tower) variable reuse."""
-        return _Scopes([tf.compat.v1.name_scope(self._scope),
-                        tf.compat.v1.variable_scope(self._var_scope, reuse=self._reuse, auxiliary_name_scope=False),
-                        tf.compat.v1.device(self._placement)])
+        with tf.compat.v1.name_scope(self._scope), tf.compat.v1.device(self._placement), \
+                tf.compat.v1.variable_scope(self._var_scope, reuse=self._reuse, auxiliary_name_scope=False):
+            yield
 
     def build_first(self):
         """Builds and keeps the tower's micro-batch 0; returns it."""
@@ -180,22 +182,6 @@ class _Tower(object):
         self._reuse = True  # The loop's micro-batches reuse the first one's variables.
         with self._building():
             return _summed_loop(self._model, self._source, k, self.first, state, dtypes)
-
-
-class _Scopes(object):
-    """Enters several context managers in order, and leaves them in reverse."""
-
-    def __init__(self, managers):
-        self._managers = managers
-
-    def __enter__(self):
-        for manager in self._managers:
-            manager.__enter__()
-
-    def __exit__(self, *exc):
-        for manager in reversed(self._managers):
-            manager.__exit__(*exc)
-        return False
 
 
 def _tower_update_ops(update_ops, index):
