@@ -34,6 +34,8 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["gradaccum", "gradaccum.*"]),
     python_requires=">=3.7",
+    entry_points={"console_scripts": ["gradaccum-launch = gradaccum.distributed.launch:main",
+                                      "gradaccum-consolidate = gradaccum.distributed.consolidate:main"]},
     install_requires=["numpy"],
     extras_require={
         "tf": ["tensorflow>=2.15", "tf-keras>=2.15"],

@@ -214,7 +214,7 @@ def ingraph(model_fn, images, labels, k, make_optimizer, global_step):
     The same accumulator (weight = the micro-batch size) as ``ours``; the micro-batches' batch-norm
     updates run inside the loop, so no ``update_ops()`` here.
     """
-    import gradaccum.subdivisions
+    import gradaccum.devices.subdivisions
 
     opt = gradaccum.GradientAccumulator(make_optimizer(), k)
     result = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels], global_step=global_step)

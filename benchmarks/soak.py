@@ -17,7 +17,7 @@ length stays under ``--tolerance-mb``, else ``GROWING`` (exit status 1).
 Not a test: it is not run in CI.
 
 Graph state: the MLP's ``mlp/...`` variables, ``global_step``, Adam's slots,
-the accumulator's state (see ``gradaccum.accumulator``).
+the accumulator's state (see ``gradaccum.window.accumulator``).
 """
 import os
 import sys

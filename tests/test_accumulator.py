@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from gradaccum import _update_ops
+from gradaccum.window import update_ops as _update_ops
 from gradaccum import statistics as statistics_module
 from scalar_problem import scalar_problem
 

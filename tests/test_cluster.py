@@ -322,13 +322,14 @@ def test_a_server_on_a_loopback_address_is_reachable_on_every_interface():
 
 
 def test_heartbeat_lives_in_its_own_module_and_cluster_and_ingraph_do_not_import_each_other():
-    from gradaccum import heartbeat, ingraph
+    from gradaccum import ingraph
+    from gradaccum.distributed import heartbeat
 
     assert cluster.Heartbeat is heartbeat.Heartbeat is gradaccum.Heartbeat
     assert cluster.HEARTBEAT_EXIT_STATUS == 75 and cluster.DEFAULT_HEARTBEAT_SECONDS == 30.0
     assert cluster.StopSignal is ingraph.StopSignal and cluster.ClusterError is gradaccum.ClusterError
-    code = "import sys, gradaccum.ingraph; print(' '.join(m for m in sys.modules if m.startswith('gradaccum.')))"
+    code = "import sys, gradaccum.distributed.ingraph; print(' '.join(m for m in sys.modules if m.startswith('gradaccum.')))"
     done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           universal_newlines=True, timeout=120)
     loaded = done.stdout.split()
-    assert "gradaccum.heartbeat" in loaded and "gradaccum.cluster" not in loaded, loaded
+    assert "gradaccum.distributed.heartbeat" in loaded and "gradaccum.distributed.cluster" not in loaded, loaded

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from gradaccum import hooks
+from gradaccum.window import logfilter as hooks
 
 v1 = tf.compat.v1
 KS = [1, 3]

@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 
+import gradaccum
 from gradaccum import cluster, launch
 
 pytestmark = pytest.mark.timeout(60)
@@ -353,7 +354,7 @@ def test_tasks_die_when_the_launcher_is_killed(tmp_path):
     script = str(tmp_path / "task.py")
     with open(script, "w") as handle:
         handle.write(_TASK)
-    launcher_file = os.path.join(os.path.dirname(launch.__file__), "launch.py")
+    launcher_file = os.path.join(os.path.dirname(gradaccum.__file__), "launch.py")  # python -m's file
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import runpy; runpy.run_path(%r, run_name='__main__')" % launcher_file,
          "--workers", "2", "--", sys.executable, script, "all_hang"],
@@ -408,7 +409,7 @@ def test_a_bad_flag_is_one_usage_line_without_tensorflow_or_runpy_warning(args):
 
 def test_importing_the_package_defers_everything_but_the_tensorflow_check():
     code = ("import sys; import gradaccum; print(sorted(m for m in sys.modules if m.startswith('gradaccum')));"
-            "gradaccum.GradientAccumulator; print('gradaccum.accumulator' in sys.modules)")
+            "gradaccum.GradientAccumulator; print('gradaccum.window.accumulator' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           universal_newlines=True, timeout=120)
     assert done.stdout.splitlines() == ["['gradaccum', 'gradaccum._compat', 'gradaccum._version']", "True"]

@@ -329,7 +329,7 @@ def test_the_window_imports_no_feature_module():
     import ast
     import os
 
-    path = os.path.join(os.path.dirname(gradaccum.__file__), "_window.py")
+    path = os.path.join(os.path.dirname(gradaccum.__file__), "window", "pipeline.py")
     with open(path) as handle:
         tree = ast.parse(handle.read())
     imported = set()
@@ -339,6 +339,9 @@ def test_the_window_imports_no_feature_module():
             imported.update("%s.%s" % (node.module, alias.name) for alias in node.names)
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
-    features = ("statistics", "adaptive", "batch_norm", "collective", "cluster", "sharded", "tower")
+    features = ("window.statistics", "batch.adaptive", "devices.batch_norm", "distributed.collective",
+                "distributed.cluster", "distributed.sharded", "devices.tower")
     assert not [name for name in imported for f in features if name == "gradaccum." + f], sorted(imported)
-    assert "gradaccum.observers" in imported  # The protocol's records, not a feature.
+    assert not [name for name in imported if name.startswith(("gradaccum.batch", "gradaccum.devices",
+                                                                "gradaccum.distributed"))], sorted(imported)
+    assert "gradaccum.window.observers" in imported  # The protocol's records, not a feature.

@@ -1,7 +1,7 @@
 """The cluster description without TensorFlow: ``TF_CONFIG`` text, task lists, reachability.
 
 Shared by :mod:`gradaccum.cluster`, :mod:`gradaccum.ingraph`,
-:mod:`gradaccum.heartbeat` and the launcher, which must not import
+:mod:`gradaccum.distributed.heartbeat` and the launcher, which must not import
 TensorFlow. This module creates no variables and adds nothing to graph
 collections.
 """

@@ -23,7 +23,7 @@ batch norm), which runs between the devices of one session: each tower's
 call is built independently (towers are built one after another, so tower 0
 cannot see tower 1's tensors), and the L-th call of every tower joins the same
 reduction through shared group and instance keys handed out by the tower
-context (``gradaccum._tower_context``). Alternatives were rejected: gathering
+context (``gradaccum.devices.context``). Alternatives were rejected: gathering
 the shards' statistics in one place needs every tower built before any is
 normalised (a second pass over ``model_fn``), and a shifted-sum single pass
 loses digits when the mean is far from the shift. Per layer and step, two
@@ -44,7 +44,7 @@ per run. All towers must run together: fetch ``train_op`` or the loss of
 training mode normalises with the mean and variance of every worker's batch
 together: the same two-pass sums, all-reduced between the worker processes
 on each worker's CPU (the collective group of ``CollectiveAllReduce``, with
-the per-graph instance keys of ``gradaccum._tower_context``). The gradient
+the per-graph instance keys of ``gradaccum.devices.context``). The gradient
 through the shared statistics is weighted as for towers, with ``w_j`` the
 worker's example count (``tf.shape(inputs)[0]``): exact when the accumulator's
 or ``CollectiveAllReduce``'s ``weight`` is that count. Every worker builds
@@ -53,7 +53,7 @@ window pools the global ones), so the copies stay equal. One tower per
 worker: several towers inside that scope raise ``ValueError``.
 
 **Windows (issue 19).** A training-mode call also puts a window-statistics
-object (``gradaccum._update_ops``'s interface) into the graph collection
+object (``gradaccum.window.update_ops``'s interface) into the graph collection
 ``"gradaccum_window_statistics"``. Under a ``GradientAccumulator`` with
 k > 1, instead of the per-run update the accumulator folds each micro-batch's
 count, mean and sum of squared deviations into the window (Chan et al.'s
@@ -83,12 +83,12 @@ object to ``"gradaccum_window_statistics"``.
 import numbers
 
 from gradaccum import _compat
-from gradaccum import _tower_context
+from gradaccum.devices import context as tower_context
 from gradaccum import _validate
-from gradaccum import _update_ops
+from gradaccum.window.update_ops import WINDOW_STATISTICS
 from gradaccum._compat import tf
-from gradaccum._state import state_variable
-from gradaccum.observers import WindowObserver
+from gradaccum.window.state import state_variable
+from gradaccum.window.observers import WindowObserver
 
 DEFAULT_NAME = "batch_normalization"
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -151,7 +151,7 @@ def batch_normalization(inputs, training, *, axis=-1, momentum=0.99, epsilon=1e-
         layer = _Layer(inputs, scope, axis, momentum, epsilon, center, scale, training)
         if _static_value(training) is False:
             return _inference(inputs, layer)
-        peers = _peers(inputs, layer, _tower_context.current())
+        peers = _peers(inputs, layer, tower_context.current())
         if peers is not None:
             return _train_synced(inputs, layer, peers)
         return _train_local(inputs, layer)
@@ -366,7 +366,7 @@ class _Peers(object):
 
 def _peers(inputs, layer, context):
     """The :class:`_Peers` of this call: the towers or the workers; ``None`` when alone."""
-    workers = _tower_context.current_workers()
+    workers = tower_context.current_workers()
     if context is not None and context.group.count > 1:
         group = context.group
         _check_towers_can_sync(group, workers, layer)
@@ -375,7 +375,7 @@ def _peers(inputs, layer, context):
         return _Peers(group.count, group.group_key, record, context.index == 0, weight)
     if workers is None:
         return None
-    record = _tower_context.LayerRecord(tf.compat.v1.get_default_graph())
+    record = tower_context.LayerRecord(tf.compat.v1.get_default_graph())
     weight = tf.cast(tf.shape(inputs)[0], layer.param_dtype, name="worker_weight")
     return _Peers(workers.size, workers.group_key, record, True, weight, workers.device, workers.timeout_seconds)
 
@@ -452,7 +452,7 @@ def _add_statistics(layer, mean, moving_variance_value, count, m2, inputs=None):
     stats = WindowStatistics(layer, mean, moving_variance_value, count, m2, inputs)
     graph = tf.compat.v1.get_default_graph()
     graph.add_to_collection(tf.compat.v1.GraphKeys.UPDATE_OPS, stats.update_op)
-    graph.add_to_collection(_update_ops.WINDOW_STATISTICS, stats)
+    graph.add_to_collection(WINDOW_STATISTICS, stats)
     return stats
 
 
@@ -477,7 +477,7 @@ class WindowStatistics(WindowObserver):
     """One training-mode call's batch statistics, per run and per accumulation window.
 
     ``update_op`` is the TF layer's per-run update of the moving averages, in
-    ``UPDATE_OPS``; the object itself is in ``gradaccum._update_ops``'
+    ``UPDATE_OPS``; the object itself is in ``gradaccum.window.update_ops``'
     collection, and a ``GradientAccumulator`` with k > 1 runs it as a window
     observer (``gradaccum.observers``) instead: :meth:`accumulate` on every
     micro-batch, :meth:`finalize` after an applied window, :meth:`reset` on
@@ -495,7 +495,7 @@ class WindowStatistics(WindowObserver):
         reduction, only under an accumulator).
 
     Example:
-      >>> plain, stats = gradaccum._update_ops.split_update_ops(update_ops)
+      >>> plain, stats = gradaccum.window.update_ops.split_update_ops(update_ops)
       >>> stats[0].accumulate()
     """
 

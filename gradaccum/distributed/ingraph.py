@@ -22,11 +22,11 @@ manager.
 import re
 import time
 
-from gradaccum import _tfconfig
+from gradaccum.distributed import tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum._tfconfig import ClusterError
-from gradaccum.heartbeat import DEFAULT_HEARTBEAT_SECONDS, Heartbeat
+from gradaccum.distributed.tfconfig import ClusterError
+from gradaccum.distributed.heartbeat import DEFAULT_HEARTBEAT_SECONDS, Heartbeat
 
 _DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 
@@ -127,7 +127,7 @@ def _stop_queue(job, index):
 
 
 def _non_chief_tasks(config):
-    return [task for task in _tfconfig.tasks(config.cluster) if task != config.chief]
+    return [task for task in tfconfig.tasks(config.cluster) if task != config.chief]
 
 
 class StopSignal(object):
@@ -178,7 +178,7 @@ class StopSignal(object):
 def _watch_chief(config, chief_seen, deadline):
     """Returns the new ``chief_seen``; raises when the chief is gone or late."""
     address = config.cluster[config.chief[0]][config.chief[1]]
-    if _tfconfig.reachable(address):
+    if tfconfig.reachable(address):
         return True
     chief_name = "%s:%d" % config.chief
     if chief_seen:

@@ -58,11 +58,11 @@ shard under ``<dir>/shard-<rank>-of-<P>/``).
 """
 from gradaccum import _validate
 from gradaccum._compat import BROADCAST_FROM_ANY_TASK, collective_broadcast_from, loss_scale_optimizer_types, tf
-from gradaccum._gradients import weighted
-from gradaccum._wrapper import optimizer_chain
-from gradaccum.collective import (_BROADCAST_DTYPES, DEFAULT_BUFFER_BYTES, GROUP_KEY, CollectiveAllReduce,
+from gradaccum.window.gradients import weighted
+from gradaccum.window.wrapper import optimizer_chain
+from gradaccum.distributed.collective import (_BROADCAST_DTYPES, DEFAULT_BUFFER_BYTES, GROUP_KEY, CollectiveAllReduce,
                                   _check_static, _device, _from_wire, _instance_keys, _packed, _to_wire)
-from gradaccum.reducers import Reducer
+from gradaccum.window.reducers import Reducer
 
 
 def _variable_bytes(var):

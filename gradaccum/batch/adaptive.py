@@ -34,9 +34,9 @@ import numbers
 
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum._state import state_variable
-from gradaccum.observers import WindowObserver
-from gradaccum.statistics import GradientStatistics
+from gradaccum.window.state import state_variable
+from gradaccum.window.observers import WindowObserver
+from gradaccum.window.statistics import GradientStatistics
 
 _RULES = ("sgd", "adam")
 

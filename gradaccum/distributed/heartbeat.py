@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from gradaccum import _tfconfig
+from gradaccum.distributed import tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
 
@@ -85,7 +85,7 @@ class Heartbeat(object):
         if getattr(config, "is_evaluator", False):
             raise ValueError("`config` must be a training task's (an evaluator has no server and no peers), got %s"
                              % config.task_name)
-        everyone = _tfconfig.tasks(config.cluster)
+        everyone = tfconfig.tasks(config.cluster)
         me = (config.task_type, config.task_index)
         self._peers = [t for t in everyone if t != me] if peers is None else [tuple(p) for p in peers]
         for peer in self._peers:

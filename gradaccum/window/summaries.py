@@ -6,8 +6,8 @@ scalars go to the collections given (``SUMMARIES`` by default).
 """
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.accumulator import GradientAccumulator
-from gradaccum.statistics import learning_rate
+from gradaccum.window.accumulator import GradientAccumulator
+from gradaccum.window.statistics import learning_rate
 
 
 def summaries(accumulator, collections=None, name="gradaccum"):

@@ -36,15 +36,15 @@ run inside the train op.
 import collections
 import contextlib
 
-from gradaccum import _tower_inputs
+from gradaccum.devices import splitting
 from gradaccum import _validate
-from gradaccum import _window
-from gradaccum import tower
+from gradaccum.window import pipeline
+from gradaccum.devices import tower
 from gradaccum._compat import tf, v1_control_flow
-from gradaccum._gradients import weighted
-from gradaccum._update_ops import split_update_ops
-from gradaccum.accumulator import GradientAccumulator, check_global_step, weight_in_backprop, weighted_grad_loss
-from gradaccum.observers import MicroBatch
+from gradaccum.window.gradients import weighted
+from gradaccum.window.update_ops import split_update_ops
+from gradaccum.window.accumulator import GradientAccumulator, check_global_step, weight_in_backprop, weighted_grad_loss
+from gradaccum.window.observers import MicroBatch
 
 SubdividedTraining = collections.namedtuple("SubdividedTraining", ["train_op", "loss", "num_micro_batches"])
 SubdividedTraining.__doc__ = """What :func:`minimize` builds.
@@ -111,14 +111,14 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, var
         towers = _towers(scope, _Model(optimizer, model_fn, update_ops), placements,
                          _input_sources(inputs, k, len(placements)))
         first = towers[0].build_first()
-    _, pairs, step, config = optimizer._prepare(first.pairs, _window.Step(global_step, name, None, [], None, False))
+    _, pairs, step, config = optimizer._prepare(first.pairs, pipeline.Step(global_step, name, None, [], None, False))
     with v1_control_flow(config.ref_step_flow):
         done, state, loss_sum, total = _looped_window(config, step, towers, k, outer_scope)
     with tf.compat.v1.name_scope(scope):
         train_op = tf.group(done, name="train")
         loss = tf.cast(loss_sum / total, first.loss.dtype.base_dtype, name="loss")
         k = tf.cast(k, tf.int64, name="window_size")
-    window = _window.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)))
+    window = pipeline.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)))
     return SubdividedTraining(optimizer._register(window, step), loss, k)
 
 
@@ -130,13 +130,13 @@ def _looped_window(config, step, towers, k, outer_scope):
     step = step._replace(observers=list(towers[0].first.stats))
     # The window's state and end are named as the fused train op's: checkpoints interchange.
     with tf.compat.v1.name_scope(config.name) as window_scope:
-        state = _window.summed_state(config, pairs, step)
-    dtypes = _window.sum_dtypes(config, pairs)
+        state = pipeline.summed_state(config, pairs, step)
+    dtypes = pipeline.sum_dtypes(config, pairs)
     looped = [tower.loop(k, state, dtypes) for tower in towers]
     with tf.compat.v1.name_scope(window_scope):
         loss_sum, sums, total = _combined(looped)
         with tf.control_dependencies([total]):
-            done = _window.finish_summed(config, state, step, outer_scope, sums, total)
+            done = pipeline.finish_summed(config, state, step, outer_scope, sums, total)
     return done, state, loss_sum, total
 
 
@@ -288,7 +288,7 @@ def _pulled(inputs):
 
 def _dense(value, arg):
     """``value`` as a non-empty list of dense tensors with a shared leading (batch) dimension."""
-    tensors = _tower_inputs.check_inputs(value, arg)
+    tensors = splitting.check_inputs(value, arg)
     sparse = [tensor for tensor in tensors if isinstance(tensor, tf.SparseTensor)]
     if sparse:
         raise ValueError("`%s` must be dense tensors: the loop slices them along axis 0; densify a "
@@ -308,14 +308,14 @@ def _checked_batch(tensors, needed):
         n, needed, name="enough_examples",
         message="`inputs` must hold at least num_micro_batches x towers examples (one per micro-batch); "
                 "batch, needed:")
-    return _tower_inputs.checked(tensors, n, [enough]), n
+    return splitting.checked(tensors, n, [enough]), n
 
 
 # ------------------------------------------------------------------ one micro-batch
 
 # One micro-batch as built: its mean loss and weight, its (gradient,
 # variable) pairs, the plain update ops to run, its window batch-norm
-# statistics (gradaccum._update_ops), which fold into the window's, and the
+# statistics (gradaccum.window.update_ops), which fold into the window's, and the
 # weight its gradients still need (None: backprop carried it).
 _Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "to_run", "stats", "grad_weight"])
 
@@ -416,7 +416,7 @@ def _after(value, waited, name=None):
 
 def _observed(state, micro):
     """The observers' ops for one micro-batch: its own, and its batch-norm statistics folded into the window's."""
-    ops = _window.added(state, MicroBatch(micro.pairs, micro.weight, None), made_only=True)
+    ops = pipeline.added(state, MicroBatch(micro.pairs, micro.weight, None), made_only=True)
     window_stats = state.observers[state.made:]
     if len(micro.stats) != len(window_stats):
         raise ValueError("`model_fn` built %d window batch-norm layers on this micro-batch and %d on the first; "

@@ -16,21 +16,21 @@ Collections: nothing is added by this module. It reads the ``UPDATE_OPS``
 that each tower's ``model_fn`` adds (batch-norm moving averages) to choose
 which of them the train op runs. What ``model_fn`` itself adds (for example
 each tower's loss in ``LOSSES``) is added once per tower. While ``model_fn``
-builds tower ``i``, ``gradaccum._tower_context.current()`` tells synchronized
+builds tower ``i``, ``gradaccum.devices.context.current()`` tells synchronized
 layers (``gradaccum.batch_normalization``) the tower's index, devices and
 shard sizes.
 
 Inputs: one batch (tensors or ``tf.SparseTensor``, split by rows) or a
 callable that each tower calls for its own batch (an iterator's
 ``get_next``; the towers then weigh their own example counts); see
-``gradaccum._tower_inputs``. ``model_fn`` may return ``(loss, outputs)``:
+``gradaccum.devices.splitting``. ``model_fn`` may return ``(loss, outputs)``:
 the per-example outputs come back concatenated in batch order.
 
 A batch smaller than the number of towers works, and no model runs on an
 empty shard: tower 0 always has an example; a later tower that a static
 batch leaves empty is not built, and one whose shard size is known only at
 run time builds its model and gradients inside ``tf.cond(size > 0)``
-(``gradaccum._tower_guard``), contributing zeros of weight 0 otherwise.
+(``gradaccum.devices.guard``), contributing zeros of weight 0 otherwise.
 Synchronized layers (``gradaccum.batch_normalization``) sum over every
 tower, so with them every tower runs. ``update_ops="all"`` needs an example
 in every tower: an empty tower's batch-norm statistics are NaN.
@@ -48,14 +48,14 @@ import numbers
 import warnings
 
 from gradaccum import _compat
-from gradaccum import _tower_context
-from gradaccum import _tower_guard
-from gradaccum import _tower_inputs
+from gradaccum.devices import context as tower_context
+from gradaccum.devices import guard as tower_guard
+from gradaccum.devices import splitting
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum._gradients import normalized
-from gradaccum._wrapper import optimizer_chain
-from gradaccum.accumulator import GradientAccumulator
+from gradaccum.window.gradients import normalized
+from gradaccum.window.wrapper import optimizer_chain
+from gradaccum.window.accumulator import GradientAccumulator
 
 
 class TowerTraining(collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])):
@@ -152,11 +152,11 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     """
     placement, update_ops = _check_arguments(optimizer, model_fn, devices, variables_device, update_ops, name)
     with tf.compat.v1.name_scope(name) as scope:
-        batches = _tower_inputs.tower_batches(inputs, len(placement[0]), update_ops == "all")
+        batches = splitting.tower_batches(inputs, len(placement[0]), update_ops == "all")
     plan = _plan(name, placement, batches, guard=update_ops != "all")
     # What synchronized layers see (batch_norm.py).
     rank, workers = _collective_worker(optimizer)
-    group = _tower_context.TowerGroup(plan.devices, plan.batches.sizes, worker=rank, workers=workers)
+    group = tower_context.TowerGroup(plan.devices, plan.batches.sizes, worker=rank, workers=workers)
     towers, tower_update_ops, tower_outputs = _build_towers(optimizer, model_fn, plan, group)
     chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), "none": []}[update_ops]
     weights = _check_weights(plan.batches.sizes, len(towers))
@@ -275,7 +275,7 @@ def _plan(name, placement, batches, guard):
     """The towers to build: those whose batch is not known to be empty."""
     devices, variables_device = placement
     indices = [i for i, size in enumerate(batches.sizes) if not (isinstance(size, int) and size == 0)]
-    kept = _tower_inputs.Batches(batches.batch_size, [batches.sizes[i] for i in indices],
+    kept = splitting.Batches(batches.batch_size, [batches.sizes[i] for i in indices],
                                  [batches.shards[i] for i in indices])
     return _Plan(name, indices, [devices[i] for i in indices], variables_device, kept, guard, {})
 
@@ -335,15 +335,15 @@ def _build_tower(optimizer, model_fn, plan, group, position, first_outputs):
                                      auxiliary_name_scope=False), \
             tf.compat.v1.device(_device_function(device, plan.variables_device)), \
             tf.compat.v1.name_scope("%s_%d" % (plan.name, index)) as scope, \
-            _tower_context.TowerContext(group, position):
+            tower_context.TowerContext(group, position):
         # A later tower may get no example: then its model must not run (some kernels
         # abort on an empty batch). Synchronized layers need every tower to take part.
         guarded = position and plan.guard and not isinstance(size, int) and not group.synchronized
         if guarded:  # On the tower's device, so that the cond's switches of the shard are too.
-            shard = [_tower_inputs.identity(tensor) for tensor in shard]
+            shard = [splitting.identity(tensor) for tensor in shard]
         run = functools.partial(_run_model, optimizer, model_fn, shard, (index, plan.returned))
         if guarded:
-            loss, grads_and_vars, outputs = _tower_guard.run_if(size > 0, run, first_outputs)
+            loss, grads_and_vars, outputs = tower_guard.run_if(size > 0, run, first_outputs)
         else:
             loss, grads_and_vars, outputs = run()
         if position:
@@ -451,7 +451,7 @@ def _apply(optimizer, grads_and_vars, global_step, batch_size, update_ops, small
     """Applies the averaged gradients after ``update_ops`` (on every micro-batch)."""
     if isinstance(optimizer, GradientAccumulator):
         # A micro-batch weighs its example count, so uneven micro-batches stay exact. The
-        # accumulator runs the update ops: window statistics once per window (gradaccum._update_ops).
+        # accumulator runs the update ops: window statistics once per window (gradaccum.window.update_ops).
         return optimizer.apply_gradients(grads_and_vars, global_step=global_step, weight=batch_size,
                                          update_ops=update_ops, small_batches=small_batches)
     with tf.control_dependencies(update_ops):

@@ -30,7 +30,7 @@ worker decides skip and clip from, and that its observers get
 (``WindowUpdate.sq_norm``). This module creates no variables and no
 collections.
 """
-from gradaccum._wrapper import WrappingOptimizer
+from gradaccum.window.wrapper import WrappingOptimizer
 
 
 class Reducer(WrappingOptimizer):

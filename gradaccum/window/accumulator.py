@@ -10,7 +10,7 @@ a window starts. With a static k = 1 the wrapper is the wrapped optimizer:
 same ops, same results, same errors.
 
 The window itself (its state, the accumulate step, the end-of-window apply)
-is built by ``gradaccum._window``, whose docstring lists the variables each
+is built by ``gradaccum.window.pipeline``, whose docstring lists the variables each
 train op creates (global, non-trainable, so a ``Saver`` checkpoint taken in
 the middle of a window restores it exactly). None of them is a slot:
 ``get_slot`` and ``get_slot_names`` are the wrapped optimizer's.
@@ -21,18 +21,18 @@ Collections: the variables go to ``GLOBAL_VARIABLES`` only. The train op is
 appended to ``TRAIN_OP``; the wrapped optimizer's internal apply ops are kept
 out of it, because running them on their own would apply a stale window.
 Logging: a train op with k > 1 and a ``global_step`` installs
-``gradaccum.hooks.GlobalStepWarningFilter`` (see there).
+``gradaccum.window.logfilter.GlobalStepWarningFilter`` (see there).
 """
 from gradaccum import _validate
-from gradaccum import _window
-from gradaccum import hooks
-from gradaccum import statistics as _statistics
+from gradaccum.window import pipeline
+from gradaccum.window import logfilter
+from gradaccum.window import statistics as _statistics
 from gradaccum._compat import in_control_flow, is_resource_variable, loss_scale_optimizer_types, tf, v1_control_flow
-from gradaccum._update_ops import split_update_ops
-from gradaccum._window_access import WindowAccess
-from gradaccum._wrapper import WrappingOptimizer, optimizer_chain
-from gradaccum.observers import WindowObserver
-from gradaccum.reducers import Reducer
+from gradaccum.window.update_ops import split_update_ops
+from gradaccum.window.access import WindowAccess
+from gradaccum.window.wrapper import WrappingOptimizer, optimizer_chain
+from gradaccum.window.observers import WindowObserver
+from gradaccum.window.reducers import Reducer
 
 _ACCUMULATION_DTYPES = (tf.float32, tf.float64)
 _EAGER_MESSAGE = (
@@ -40,7 +40,7 @@ _EAGER_MESSAGE = (
     "tf.compat.v1.disable_eager_execution() (or tf.compat.v1.disable_v2_behavior()) at the top of "
     "the script, before building the model"
 )
-Window = _window.Window
+Window = pipeline.Window
 
 
 class GradientAccumulator(WindowAccess, WrappingOptimizer):
@@ -213,7 +213,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
             raise ValueError(
                 "No gradients provided for any variable, check your graph for ops that do not support "
                 "gradients, between variables %s and loss %s." % ([str(v) for _, v in grads_and_vars], loss))
-        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, None, weighted_grads))
+        return self._build(grads_and_vars, pipeline.Step(global_step, name, weight, update_ops, None, weighted_grads))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None,
                         update_ops=None, small_batches=None):
@@ -238,7 +238,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
           weight: ``None`` (each micro-batch weighs 1) or a scalar tensor.
           update_ops: ops to run on every micro-batch before its gradients are
             added; ``None``: none (use ``tf.control_dependencies`` then).
-            Window statistics among them (``gradaccum._update_ops``) are
+            Window statistics among them (``gradaccum.window.update_ops``) are
             accumulated per micro-step and finalized once per applied window.
           small_batches: ``None``, or the towers' ``[(grads_and_vars,
             weight), ...]`` of this micro-batch, for ``statistics``.
@@ -259,14 +259,14 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
           >>> grads_and_vars = opt.compute_gradients(loss)
           >>> train_op = opt.apply_gradients(grads_and_vars, global_step)
         """
-        return self._build(grads_and_vars, _window.Step(global_step, name, weight, update_ops, small_batches, False))
+        return self._build(grads_and_vars, pipeline.Step(global_step, name, weight, update_ops, small_batches, False))
 
     def _build(self, grads_and_vars, step):
-        """``apply_gradients`` for one :data:`gradaccum._window.Step` (its update ops not yet split)."""
+        """``apply_gradients`` for one :data:`gradaccum.window.pipeline.Step` (its update ops not yet split)."""
         grads_and_vars, pairs, step, config = self._prepare(grads_and_vars, step)
         graph = tf.compat.v1.get_default_graph()
-        with v1_control_flow(config.ref_step_flow), _window.keep_train_ops(graph):
-            window = _window.build(config, grads_and_vars, pairs, step)
+        with v1_control_flow(config.ref_step_flow), pipeline.keep_train_ops(graph):
+            window = pipeline.build(config, grads_and_vars, pairs, step)
         return self._register(window, step)
 
     def _prepare(self, grads_and_vars, step):
@@ -281,7 +281,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         step = step._replace(weight=weight, update_ops=plain, observers=observers)
         ref_flow = any(not is_resource_variable(var) for var in [v for _, v in pairs] + [step.global_step]
                        if var is not None)
-        config = _window.Config(self._reducer or self._optimizer, self._name, self._size, self._clip_norm,
+        config = pipeline.Config(self._reducer or self._optimizer, self._name, self._size, self._clip_norm,
                                 self._accumulation_dtype, self._skip_nonfinite, self._observers, self._reducer,
                                 self._loss_scaled, ref_flow)
         return grads_and_vars, pairs, step, config
@@ -291,7 +291,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         tf.compat.v1.get_default_graph().add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, window.train_op)
         self._windows.append(window)
         if self._size.k != 1 and step.global_step is not None:
-            hooks.install_global_step_warning_filter()
+            logfilter.install_global_step_warning_filter()
         return window.train_op
 
 
@@ -348,17 +348,17 @@ def weight_in_backprop(accumulator, loss, weight, var_list):
 
 
 def _window_size(num_micro_batches):
-    """The :class:`gradaccum._window.WindowSize` of ``num_micro_batches``, checked."""
+    """The :class:`gradaccum.window.pipeline.WindowSize` of ``num_micro_batches``, checked."""
     if isinstance(num_micro_batches, (tf.Tensor, tf.Variable)):
         tensor = num_micro_batches
         dtype = tensor.dtype.base_dtype
         if dtype == tf.bool or not dtype.is_integer or tensor.shape.ndims not in (None, 0):
             raise ValueError("`num_micro_batches` must be an int >= 1 or a scalar integer tensor, got %s"
                              % _validate.describe(tensor))
-        return _window.WindowSize(fn=lambda global_step: tensor)
+        return pipeline.WindowSize(fn=lambda global_step: tensor)
     if callable(num_micro_batches):
-        return _window.WindowSize(fn=num_micro_batches, needs_global_step=True)
-    return _window.WindowSize(k=_validate.check_positive_int(num_micro_batches, "num_micro_batches"))
+        return pipeline.WindowSize(fn=num_micro_batches, needs_global_step=True)
+    return pipeline.WindowSize(k=_validate.check_positive_int(num_micro_batches, "num_micro_batches"))
 
 
 def _policy(num_micro_batches):

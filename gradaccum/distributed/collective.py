@@ -38,7 +38,7 @@ the next instance key of a process-wide counter (the group key is
 :func:`synchronized_batch_norm` extends ``gradaccum.batch_normalization``'s
 synchronized statistics from the towers of one session to every worker: its
 collectives join :data:`GROUP_KEY`'s group (each worker's CPU), with instance
-keys from ``gradaccum._tower_context.next_collective_key`` (per graph, from
+keys from ``gradaccum.devices.context.next_collective_key`` (per graph, from
 ``1 << 24``), apart from this module's counter (from 1). One tower per
 worker: inside the scope, a ``tower.minimize`` of several towers is refused.
 
@@ -52,11 +52,11 @@ collections.
 """
 import itertools
 
-from gradaccum import _tower_context
+from gradaccum.devices import context as tower_context
 from gradaccum import _validate
 from gradaccum._compat import collective_broadcast, collective_sum, tf, v1_control_flow
-from gradaccum._gradients import densified, normalized, sparse_again, weighted
-from gradaccum.reducers import Reducer
+from gradaccum.window.gradients import densified, normalized, sparse_again, weighted
+from gradaccum.window.reducers import Reducer
 
 GROUP_KEY = 0x6761
 """The collective group key of the compute tasks (chief and workers)."""
@@ -524,10 +524,10 @@ def synchronized_batch_norm(config, *, timeout_seconds=None):
     size, _, _ = _group(config)
     timeout = _validate.check_positive_number(timeout_seconds, "timeout_seconds")
     if size == 1:
-        return _tower_context.WorkerScope(1, None, None)
+        return tower_context.WorkerScope(1, None, None)
     # The workers' CPUs are exactly the devices of GROUP_KEY's group: the same group, other instance
     # keys (the per-graph counter of _tower_context, from 1 << 24; ours count from 1).
-    return _tower_context.WorkerScope(size, GROUP_KEY, _device(config), timeout)
+    return tower_context.WorkerScope(size, GROUP_KEY, _device(config), timeout)
 
 
 class AllReduceOnApply(Reducer):

@@ -58,9 +58,9 @@ optimizer's internal apply ops out of ``TRAIN_OP``.
 import collections
 
 from gradaccum._compat import tf, v1_control_flow
-from gradaccum._gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
-from gradaccum._state import state_variable
-from gradaccum.observers import MicroBatch, WindowUpdate
+from gradaccum.window.gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
+from gradaccum.window.state import state_variable
+from gradaccum.window.observers import MicroBatch, WindowUpdate
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.

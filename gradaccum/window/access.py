@@ -1,12 +1,12 @@
 """``WindowAccess``: a ``GradientAccumulator``'s window state, read after building.
 
-The accumulator builds one window per train op (``gradaccum._window``); this
+The accumulator builds one window per train op (``gradaccum.window.pipeline``); this
 base class answers for the one in the current graph: its counters, caches,
 manual ops and size. It creates no variables and adds nothing to any
 collection.
 """
 from gradaccum._compat import tf
-from gradaccum.statistics import GradientStatistics
+from gradaccum.window.statistics import GradientStatistics
 
 _K1 = "with num_micro_batches=1 it keeps no window (no cache, no counter); run its train op"
 _MISSING = {

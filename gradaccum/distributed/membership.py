@@ -31,9 +31,10 @@ import os
 
 import numpy as np
 
-from gradaccum import _validate, consolidate
+from gradaccum import _validate
+from gradaccum.distributed import consolidate
 from gradaccum._compat import tf
-from gradaccum.collective import _group
+from gradaccum.distributed.collective import _group
 
 _SCOPE = "gradaccum_membership"
 

@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 
-from gradaccum._tfconfig import ClusterError
+from gradaccum.distributed.tfconfig import ClusterError
 
 PORT_BASE_VAR = "GRADACCUM_PORT_BASE"
 DEFAULT_PORT_BASE = 8888

@@ -25,7 +25,7 @@ here, where users look for them:
   :func:`session_config`); the other tasks :func:`serve` until the chief's
   :class:`StopSignal`.
 
-:class:`Heartbeat` (defined in ``gradaccum.heartbeat``) bounds the wait for a
+:class:`Heartbeat` (defined in ``gradaccum.distributed.heartbeat``) bounds the wait for a
 peer that died or stopped answering, for both engines. An evaluator task
 (:attr:`ClusterConfig.is_evaluator`) is no part of training: no engine, no
 broadcast and no Heartbeat waits for it, and it runs no server.
@@ -41,26 +41,26 @@ import re
 import socket
 import time
 
-from gradaccum import _slurm
-from gradaccum import _tfconfig
+from gradaccum.distributed import slurm
+from gradaccum.distributed import tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum._tfconfig import TF_CONFIG_VAR  # noqa: F401
-from gradaccum._tfconfig import ClusterError
-from gradaccum.heartbeat import DEFAULT_HEARTBEAT_SECONDS  # noqa: F401
-from gradaccum.heartbeat import HEARTBEAT_EXIT_STATUS  # noqa: F401
-from gradaccum.heartbeat import Heartbeat  # noqa: F401
+from gradaccum.distributed.tfconfig import TF_CONFIG_VAR  # noqa: F401
+from gradaccum.distributed.tfconfig import ClusterError
+from gradaccum.distributed.heartbeat import DEFAULT_HEARTBEAT_SECONDS  # noqa: F401
+from gradaccum.distributed.heartbeat import HEARTBEAT_EXIT_STATUS  # noqa: F401
+from gradaccum.distributed.heartbeat import Heartbeat  # noqa: F401
 # The engines' names, where users look for them.
-from gradaccum.collective import AllReduceOnApply  # noqa: F401
-from gradaccum.collective import CollectiveAllReduce  # noqa: F401
-from gradaccum.collective import broadcast_variables  # noqa: F401
-from gradaccum.collective import collective_session_config  # noqa: F401
-from gradaccum.collective import synchronized_batch_norm  # noqa: F401
-from gradaccum.ingraph import StopSignal  # noqa: F401
-from gradaccum.ingraph import serve  # noqa: F401
-from gradaccum.ingraph import session_config  # noqa: F401
-from gradaccum.ingraph import variables_device  # noqa: F401
-from gradaccum.ingraph import worker_devices  # noqa: F401
+from gradaccum.distributed.collective import AllReduceOnApply  # noqa: F401
+from gradaccum.distributed.collective import CollectiveAllReduce  # noqa: F401
+from gradaccum.distributed.collective import broadcast_variables  # noqa: F401
+from gradaccum.distributed.collective import collective_session_config  # noqa: F401
+from gradaccum.distributed.collective import synchronized_batch_norm  # noqa: F401
+from gradaccum.distributed.ingraph import StopSignal  # noqa: F401
+from gradaccum.distributed.ingraph import serve  # noqa: F401
+from gradaccum.distributed.ingraph import session_config  # noqa: F401
+from gradaccum.distributed.ingraph import variables_device  # noqa: F401
+from gradaccum.distributed.ingraph import worker_devices  # noqa: F401
 
 TASK_TYPES = ("chief", "worker", "ps")
 EVALUATOR = "evaluator"
@@ -120,7 +120,7 @@ class ClusterConfig(collections.namedtuple("ClusterConfig", ["cluster", "task_ty
     @property
     def compute_tasks(self):
         """``(job, index)`` of every task that computes a tower, chief first (no ps, no evaluator)."""
-        return _tfconfig.tasks(self.cluster, ("chief", "worker"))
+        return tfconfig.tasks(self.cluster, ("chief", "worker"))
 
     @property
     def num_towers(self):
@@ -279,7 +279,7 @@ def from_environment(environ=None):
     config = load_tf_config(environ)
     if config is not None:
         return config
-    found = _slurm.slurm_cluster(environ)
+    found = slurm.slurm_cluster(environ)
     return None if found is None else ClusterConfig({"worker": found[0]}, "worker", found[1])
 
 
@@ -301,7 +301,7 @@ def make_tf_config(cluster, task_type, task_index):
       >>> make_tf_config({"worker": ["127.0.0.1:2222"]}, "worker", 0)
       '{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}'
     """
-    text = _tfconfig.tf_config_json(cluster, task_type, task_index)
+    text = tfconfig.tf_config_json(cluster, task_type, task_index)
     parse_tf_config(text)
     return text
 
@@ -390,9 +390,9 @@ def wait_for_tasks(config, timeout_seconds=300.0, poll_seconds=0.5):
       >>> wait_for_tasks(config, timeout_seconds=60)
     """
     deadline = time.time() + timeout_seconds
-    pending = _tfconfig.tasks(config.cluster)
+    pending = tfconfig.tasks(config.cluster)
     while True:
-        pending = [t for t in pending if not _tfconfig.reachable(config.cluster[t[0]][t[1]])]
+        pending = [t for t in pending if not tfconfig.reachable(config.cluster[t[0]][t[1]])]
         if not pending:
             return
         if time.time() >= deadline:

@@ -1,0 +1,710 @@
+"""One-machine launcher for a multi-process TensorFlow job.
+
+Usage::
+
+    python -m gradaccum.launch --workers P [--ps N] [--verbose] -- python script.py args
+
+starts ``P`` worker processes (``worker:0`` is the chief) and ``N`` ps
+processes of the same command, each with its own ``TF_CONFIG`` on free
+loopback ports, and prefixes every line they print with ``[worker:1]``. The
+collective engine needs no ps task (``--ps 0``, the default). TensorFlow's
+log noise (C++ log lines, the absl notice, ``WARNING:tensorflow`` deprecation
+blocks, ``tf.compat.v1.layers`` deprecation warnings) is left out of that
+output unless ``--verbose`` (which also leaves ``TF_CPP_MIN_LOG_LEVEL``
+alone; otherwise the tasks get ``2`` unless it is set). It exits with the
+chief's exit status. When any task dies with a non-zero status it names that
+task and its status in one line and stops the others (SIGTERM, then SIGKILL
+after ``--grace`` seconds). With ``--max-restarts N`` the launcher then
+restarts the whole job instead, on fresh ports, up to N times: with the same
+number of workers, or with ``--min-workers M`` one worker fewer each time a
+task dies, never below M. The tasks resume from their last checkpoint (see
+``gradaccum.membership``); one line per restart names the task that died,
+its status, the number of workers now and, with ``--checkpoint-dir``, the
+global step of the newest checkpoint there. After N restarts it gives up
+with the failure's status. Each task runs in its own process
+group, which is killed on every way out (normal exit, signal, exception, and
+via ``atexit``), and the launcher returns only once every process of those
+groups has ended (a task's own children included); on Linux a task also gets
+SIGKILL when the launcher itself is killed. Every wait is bounded.
+
+TensorFlow's gRPC server listens on every interface of the machine
+(``0.0.0.0``), whatever host ``TF_CONFIG`` names, and has no option to
+listen on one address only (TF 1.15 to 2.x). So when the machine has a
+network interface other than loopback the launcher says once, on stderr,
+that the tasks' ports are open there and how to close them;
+``--no-port-warning`` leaves that line out.
+
+This module does not use TensorFlow and creates no variables or collections.
+"""
+import argparse
+import atexit
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from gradaccum.distributed import tfconfig
+from gradaccum.distributed.consolidate import _SHARD
+
+_PREFIX = "gradaccum.launch: "
+_USAGE = "python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] [--shutdown-timeout S] " \
+         "[--max-restarts N [--min-workers M] [--checkpoint-dir DIR]] [--verbose] [--no-port-warning] " \
+         "-- COMMAND [ARG ...]"
+_IFF_UP, _IFF_LOOPBACK = 0x1, 0x8  # Linux's interface flags, as /sys/class/net/<name>/flags shows them.
+# TensorFlow's log noise: C++ log lines (absl and TF 1.15 formats; fatal ones are
+# kept), the absl notice, Python-side TF and absl warnings, deprecation warnings.
+_NOISE = re.compile(
+    rb"^(?:[IWE]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] "
+    rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWE] \S+:\d+\] "
+    rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
+    rb"|To enable the following instructions: .* rebuild TensorFlow with the appropriate compiler flags"
+    rb"|WARNING:(?:tensorflow|absl):"
+    rb"|\S+\.py:\d+: (?:User|Deprecation|Future)Warning: .*deprecat)", re.IGNORECASE)
+_POLL_SECONDS = 0.1
+_PR_SET_PDEATHSIG = 1
+
+
+def pick_free_ports(count, host="127.0.0.1"):
+    """Returns ``count`` distinct ports that were free on ``host`` a moment ago.
+
+    All sockets are held open together, so the ports differ; they are closed
+    before returning, so another process could still take one (rare).
+
+    Args:
+      count: how many ports, an int >= 1.
+      host: the interface to bind.
+
+    Returns:
+      A list of ints.
+
+    Raises:
+      ValueError: when ``count`` is not an int >= 1.
+
+    Example:
+      >>> pick_free_ports(2)
+      [40211, 37915]
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError("`count` must be an int >= 1, got %r" % (count,))
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def build_cluster(workers, ps, host, ports):
+    """Builds the ``cluster`` part of ``TF_CONFIG`` for one machine.
+
+    Args:
+      workers: number of worker tasks (>= 1); ``worker:0`` is the chief.
+      ps: number of ps tasks (>= 0).
+      host: the host of every address.
+      ports: ``workers + ps`` ports, workers first.
+
+    Returns:
+      A dict such as ``{"worker": ["127.0.0.1:4001"], "ps": ["127.0.0.1:4002"]}``.
+
+    Raises:
+      ValueError: when the counts or the number of ports are wrong.
+
+    Example:
+      >>> build_cluster(2, 0, "127.0.0.1", [4001, 4002])
+      {'worker': ['127.0.0.1:4001', '127.0.0.1:4002']}
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError("`workers` must be an int >= 1, got %r" % (workers,))
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+        raise ValueError("`ps` must be an int >= 0, got %r" % (ps,))
+    if len(ports) != workers + ps:
+        raise ValueError("`ports` must hold %d ports, got %r" % (workers + ps, ports))
+    addresses = ["%s:%d" % (host, port) for port in ports]
+    cluster = {"worker": addresses[:workers]}
+    if ps:
+        cluster["ps"] = addresses[workers:]
+    return cluster
+
+
+def _state_steps(directory):
+    """The global steps a ``checkpoint`` state file of ``directory`` lists (read as text: no TensorFlow)."""
+    try:
+        with open(os.path.join(directory, "checkpoint")) as handle:
+            text = handle.read()
+    except OSError:
+        return set()
+    return set(int(step) for step in re.findall(r'model_checkpoint_paths?: ".*-(\d+)"', text))
+
+
+def newest_checkpoint_step(checkpoint_dir):
+    """The global step of the newest checkpoint under ``checkpoint_dir``, or None.
+
+    An ordinary checkpoint counts, and so does a step that every shard
+    ``shard-<r>-of-<P>/`` of one P holds (``gradaccum.ShardedAllReduce``'s
+    layout). Read from the ``checkpoint`` state files, without TensorFlow.
+
+    Args:
+      checkpoint_dir: the job's checkpoint directory.
+
+    Returns:
+      An int, or None when there is no checkpoint.
+
+    Example:
+      >>> newest_checkpoint_step("/ckpt")
+      6
+    """
+    candidates = set(_state_steps(checkpoint_dir))
+    counts = {}
+    for name in os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []:
+        match = _SHARD.match(name)
+        if match:
+            counts.setdefault(int(match.group(2)), []).append(_state_steps(os.path.join(checkpoint_dir, name)))
+    for count, held in counts.items():
+        if len(held) == count:
+            candidates.update(set.intersection(*held))
+    return max(candidates) if candidates else None
+
+
+def tf_config_for(cluster, job, index):
+    """Returns the ``TF_CONFIG`` JSON of task ``job:index`` of ``cluster``.
+
+    Args:
+      cluster: as returned by :func:`build_cluster`.
+      job: ``"worker"`` or ``"ps"``.
+      index: the task's index in its job.
+
+    Returns:
+      A JSON string, as :func:`gradaccum.cluster.make_tf_config` builds it.
+
+    Example:
+      >>> tf_config_for({"worker": ["127.0.0.1:4001"]}, "worker", 0)
+      '{"cluster": {"worker": ["127.0.0.1:4001"]}, "task": {"type": "worker", "index": 0}}'
+    """
+    return tfconfig.tf_config_json(cluster, job, index)
+
+
+def _interface_flags(name):
+    try:
+        with open("/sys/class/net/%s/flags" % name) as handle:
+            return int(handle.read().strip(), 16)
+    except (OSError, ValueError):
+        return None
+
+
+def non_loopback_interfaces():
+    """Names of this machine's network interfaces that are up and not loopback.
+
+    Read from ``/sys/class/net`` on Linux; elsewhere every interface not
+    named ``lo*`` counts.
+
+    Returns:
+      A sorted list of names, such as ``["eth0"]``; empty on a machine that
+      only has loopback.
+
+    Example:
+      >>> non_loopback_interfaces()
+      ['eth0']
+    """
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return []
+    found = []
+    for name in names:
+        flags = _interface_flags(name)
+        if (not name.startswith("lo")) if flags is None else (flags & _IFF_UP and not flags & _IFF_LOOPBACK):
+            found.append(name)
+    return sorted(found)
+
+
+def port_warning(cluster, interfaces):
+    """The one line that says the tasks' ports are open beyond loopback, or None.
+
+    Args:
+      cluster: as returned by :func:`build_cluster`.
+      interfaces: the names from :func:`non_loopback_interfaces`.
+
+    Returns:
+      A one-line string, or None when ``interfaces`` is empty.
+
+    Example:
+      >>> port_warning({"worker": ["127.0.0.1:4001"]}, ["eth0"])[:44]
+      'warning: TensorFlow listens on every interfa'
+    """
+    if not interfaces:
+        return None
+    tasks = tfconfig.tasks(cluster, ("worker", "ps"))
+    ports = ", ".join(cluster[job][index].rpartition(":")[2] for job, index in tasks)
+    return ("warning: TensorFlow listens on every interface, not only the --host address: the tasks' ports "
+            "(%s) are open on %s too, without authentication, and whoever reaches them can run any op in "
+            "the tasks; close them with a firewall or keep the machine on a private network "
+            "(--no-port-warning hides this line)" % (ports, ", ".join(interfaces)))
+
+
+def describe_status(returncode):
+    """Says how a process ended, for a one-line message.
+
+    Args:
+      returncode: ``Popen.returncode`` (negative: killed by that signal).
+
+    Returns:
+      ``"exit status 3"`` or ``"signal 9 (SIGKILL)"``.
+
+    Example:
+      >>> describe_status(-15)
+      'signal 15 (SIGTERM)'
+    """
+    if returncode is not None and returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "unknown"
+        return "signal %d (%s)" % (-returncode, name)
+    return "exit status %s" % (returncode,)
+
+
+def shell_status(returncode):
+    """Maps ``Popen.returncode`` to a shell exit status (a signal N gives 128 + N).
+
+    Args:
+      returncode: ``Popen.returncode``.
+
+    Returns:
+      An int in 0..255.
+
+    Example:
+      >>> shell_status(-9)
+      137
+    """
+    return 128 - returncode if returncode < 0 else min(returncode, 255)
+
+
+class NoiseFilter(object):
+    """Tells which lines of one task's output are TensorFlow's log noise.
+
+    A noise line starts a block: a ``WARNING:tensorflow`` deprecation's
+    ``Instructions for updating:`` line and the line after it, the source line
+    Python's ``warnings`` prints after a deprecation warning, and blank lines
+    right after noise belong to it.
+
+    Example:
+      >>> keep = NoiseFilter()
+      >>> keep(b"W0000 00:00:1.0  7 port.cc:1] oneDNN custom operations are on\\n")
+      False
+    """
+
+    def __init__(self):
+        self._after = b""  # What the previous line was: b"", b"noise", b"warning", b"instructions".
+
+    def __call__(self, line):
+        """Returns True when ``line`` (bytes, with or without newline) is to be printed."""
+        text = line.rstrip(b"\r\n")
+        after, self._after = self._after, b""
+        if _NOISE.match(text):
+            self._after = b"warning" if b"Warning: " in text else b"noise"
+            return False
+        if after == b"instructions" or (after == b"warning" and text.startswith(b"  ")):
+            self._after = b"noise"
+            return False
+        if after in (b"noise", b"warning") and (text == b"Instructions for updating:" or not text.strip()):
+            self._after = b"instructions" if text else b"noise"
+            return False
+        return True
+
+
+def copy_prefixed(source, sink, prefix, lock, keep=None):
+    """Copies ``source`` to ``sink`` line by line, each line after ``prefix``.
+
+    A last line without a newline gets one, so prefixes always start a line.
+    When ``sink`` breaks (a closed pipe), reading goes on without writing, so
+    the task never blocks on a full pipe.
+
+    Args:
+      source: a binary stream to read until EOF (a task's stdout).
+      sink: a binary stream to write to; flushed after each line.
+      prefix: bytes put before every line, e.g. ``b"[worker:1] "``.
+      lock: a ``threading.Lock`` shared by all writers of ``sink``.
+      keep: None (every line), or a callable ``line -> bool`` such as a
+        :class:`NoiseFilter`.
+
+    Example:
+      >>> copy_prefixed(process.stdout, sys.stdout.buffer, b"[worker:1] ", lock)
+    """
+    writing = True
+    for line in iter(source.readline, b""):
+        if keep is not None and not keep(line):
+            continue
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        with lock:
+            try:
+                if writing:
+                    sink.write(prefix + line)
+                    sink.flush()
+            except (OSError, ValueError):  # Closed or broken sink: keep draining.
+                writing = False
+
+
+def _find_prctl():
+    """Returns libc's ``prctl`` on Linux, else None (the group kill still applies)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once in the parent: the forked child only calls it (no dlopen after fork).
+_PRCTL = _find_prctl()
+
+
+def _die_with_parent():
+    """Runs in the child before exec: SIGKILL it when the launcher dies."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _group_alive(pgid):
+    """True while a process of group ``pgid`` lives; zombies do not count.
+
+    A task's children outlive it for a moment after a group kill, and the
+    launcher must not return before they are gone. Orphaned zombies are left
+    for init to reap (in a container it may never), so ``killpg(pgid, 0)``
+    alone would wait for ever: on Linux /proc tells the states apart.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/stat" % entry) as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()  # The name may hold spaces.
+        except (OSError, IndexError):
+            continue  # Not a process, or gone meanwhile.
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait_until(done, seconds):
+    """Polls ``done()`` until it is true (returns True) or ``seconds`` pass (False)."""
+    deadline = time.time() + seconds
+    while not done():
+        if time.time() >= deadline:
+            return False
+        time.sleep(_POLL_SECONDS)
+    return True
+
+
+class _Task(object):
+    """One started process, its name and its output pump."""
+
+    def __init__(self, name, command, env):
+        self.name = name
+        self.process = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_parent if _PRCTL is not None else None)
+        self.pump = None
+
+    def start_pump(self, sink, lock, quiet=True):
+        keep = NoiseFilter() if quiet else None
+        self.pump = threading.Thread(target=copy_prefixed, name="pump-" + self.name,
+                                     args=(self.process.stdout, sink, ("[%s] " % self.name).encode(), lock, keep))
+        self.pump.daemon = True
+        self.pump.start()
+
+    def signal_group(self, signum):
+        try:
+            os.killpg(self.process.pid, signum)  # The group outlives its leader's exit.
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def ended(self):
+        """True when the task's process has exited (it is reaped)."""
+        return self.process.poll() is not None
+
+    def gone(self):
+        """True when the task's process and every process of its group have ended."""
+        return self.ended() and not _group_alive(self.process.pid)
+
+
+class Launcher(object):
+    """Starts the tasks of one job and supervises them until the job ends.
+
+    Args:
+      command: the argv list every task runs.
+      workers: number of worker tasks (``worker:0`` is the chief).
+      ps: number of ps tasks.
+      host: the address the tasks reach each other at (TensorFlow listens on
+        every interface whatever it is).
+      grace_seconds: SIGTERM-to-SIGKILL delay when stopping tasks.
+      shutdown_seconds: how long the other tasks may run after the chief ended.
+      stdout: binary stream for the tasks' prefixed output.
+      stderr: text stream for the launcher's own one-line messages.
+      verbose: when False, TensorFlow's log noise is left out of the tasks'
+        output and ``TF_CPP_MIN_LOG_LEVEL`` defaults to 2 in their environment.
+      max_restarts: None (a task that dies ends the job), or how many times
+        the whole job restarts on fresh ports when a task dies.
+      min_workers: None (restart with as many workers), or the fewest workers
+        to restart with: each restart has one worker fewer, down to this.
+      checkpoint_dir: where the job saves, for the step a restart line names.
+
+    Example:
+      >>> status = Launcher(["python", "train.py"], workers=2, ps=0).run()
+    """
+
+    def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
+                 shutdown_seconds=15.0, stdout=None, stderr=None, verbose=False, max_restarts=None,
+                 min_workers=None, checkpoint_dir=None):
+        self.command = list(command)
+        self.verbose = verbose
+        self.ps, self.host = ps, host
+        self.cluster = build_cluster(workers, ps, host, pick_free_ports(workers + ps, host))
+        self.max_restarts, self.min_workers, self.checkpoint_dir = max_restarts, min_workers, checkpoint_dir
+        self.restarts = 0
+        self.died = None  # The (task, returncode) that ended the last attempt, if a task died.
+        self.grace_seconds = grace_seconds
+        self.shutdown_seconds = shutdown_seconds
+        self.stdout = stdout if stdout is not None else sys.stdout.buffer
+        self.stderr = stderr if stderr is not None else sys.stderr
+        self.tasks = []
+        self.received = None
+        self._lock = threading.Lock()
+
+    def say(self, message):
+        """Writes one launcher line to ``stderr``."""
+        with self._lock:
+            self.stderr.write(_PREFIX + message + "\n")
+            self.stderr.flush()
+
+    def start(self):
+        """Starts every task; pumps start after all forks (``preexec_fn`` and threads do not mix)."""
+        for job, index in tfconfig.tasks(self.cluster, ("worker", "ps")):
+            env = dict(os.environ, TF_CONFIG=tf_config_for(self.cluster, job, index), PYTHONUNBUFFERED="1")
+            if not self.verbose:
+                env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+            task = _Task("%s:%d" % (job, index), self.command, env)
+            self.tasks.append(task)
+            self.say("started %s (pid %d) at %s" % (task.name, task.process.pid, self.cluster[job][index]))
+        for task in self.tasks:
+            task.start_pump(self.stdout, self._lock, quiet=not self.verbose)
+
+    def stop(self, tasks=None):
+        """SIGTERM to every task's process group, SIGKILL after the grace period."""
+        tasks = self.tasks if tasks is None else tasks
+        for signum, wait in ((signal.SIGTERM, self.grace_seconds), (signal.SIGKILL, 5.0)):
+            for task in tasks:
+                task.signal_group(signum)
+            if _wait_until(lambda: all(task.gone() for task in tasks), wait):
+                break
+        for task in self.tasks:
+            if task.pump is not None:
+                task.pump.join(2.0)  # A grandchild may hold the pipe: bounded.
+
+    def _failed_task(self):
+        for task in self.tasks[1:]:
+            if task.process.poll() not in (None, 0):
+                return task
+        return None
+
+    def supervise(self):
+        """Waits for the job to end; returns the launcher's exit status."""
+        chief = self.tasks[0]
+        while True:
+            if self.received is not None:
+                self.say("received %s; stopping all tasks" % signal.Signals(self.received).name)
+                self.stop()
+                return 128 + self.received
+            dead = self._failed_task()
+            if dead is not None:  # Checked first: a chief failing because of it is the echo.
+                chief_status = chief.process.poll()
+                self.say("%s (pid %d) died with %s; stopping the other tasks"
+                         % (dead.name, dead.process.pid, describe_status(dead.process.returncode)))
+                self.died = (dead, dead.process.returncode)
+                self.stop()
+                return shell_status(chief_status) if chief_status else 1
+            if chief.ended():
+                return self._finish(chief)
+            time.sleep(_POLL_SECONDS)
+
+    def _finish(self, chief):
+        status = chief.process.returncode
+        others = self.tasks[1:]
+        if status != 0:
+            self.say("chief %s (pid %d) ended with %s; stopping the other tasks"
+                     % (chief.name, chief.process.pid, describe_status(status)))
+            self.died = (chief, status)
+        elif not _wait_until(lambda: all(task.ended() for task in others), self.shutdown_seconds):
+            late = [t.name for t in others if not t.ended()]
+            self.say("%s still running %g s after the chief finished; stopping them"
+                     % (", ".join(late), self.shutdown_seconds))
+        self.stop()
+        return shell_status(status)
+
+    def run(self):
+        """Starts, supervises (restarting when asked to) and always cleans up; returns the exit status."""
+        atexit.register(self._kill_all)
+        try:
+            while True:
+                self.died = None
+                self.start()
+                status = self.supervise()
+                if self.died is None or self.received is not None or self.max_restarts is None:
+                    return status
+                if self.restarts >= self.max_restarts:
+                    self.say("giving up: %s died with %s after %d restart%s"
+                             % (self.died[0].name, describe_status(self.died[1]), self.restarts,
+                                "" if self.restarts == 1 else "s"))
+                    return status
+                self._restart()
+        finally:
+            self._kill_all()
+            atexit.unregister(self._kill_all)
+
+    def _restart(self):
+        """Builds the next attempt's cluster (fresh ports, perhaps one worker fewer) and says so in one line."""
+        self.restarts += 1
+        workers = len(self.cluster["worker"])
+        if self.min_workers is not None:
+            workers = max(self.min_workers, workers - 1)
+        self.cluster = build_cluster(workers, self.ps, self.host, pick_free_ports(workers + self.ps, self.host))
+        self.tasks = []
+        step = newest_checkpoint_step(self.checkpoint_dir) if self.checkpoint_dir else None
+        where = ("from the newest checkpoint" if self.checkpoint_dir is None
+                 else "from global step %d" % step if step is not None else "from the start (no checkpoint yet)")
+        task, returncode = self.died
+        self.say("restart %d of %d: %s died with %s; restarting %d worker%s %s"
+                 % (self.restarts, self.max_restarts, task.name, describe_status(returncode), workers,
+                    "" if workers == 1 else "s", where))
+
+    def _kill_all(self):
+        for task in self.tasks:
+            task.signal_group(signal.SIGKILL)
+        _wait_until(lambda: all(task.gone() for task in self.tasks), 5.0)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, "%serror: %s; usage: %s\n" % (_PREFIX, message, _USAGE))
+
+
+def parse_args(argv):
+    """Parses the launcher's command line.
+
+    Args:
+      argv: the arguments after the program name.
+
+    Returns:
+      An ``argparse.Namespace`` with ``workers``, ``ps``, ``host``, ``grace``, ``verbose``,
+      ``shutdown_timeout``, ``no_port_warning``, ``max_restarts``, ``min_workers``,
+      ``checkpoint_dir`` and ``command`` (a non-empty list).
+
+    Raises:
+      SystemExit: with status 2 and one error line for bad arguments.
+
+    Example:
+      >>> parse_args(["--workers", "2", "--", "python", "train.py"]).command
+      ['python', 'train.py']
+    """
+    parser = _OneLineParser(prog="python -m gradaccum.launch", usage=_USAGE,
+                            description="Run one TensorFlow job as several local processes.")
+    parser.add_argument("--workers", type=int, required=True, help="worker processes; worker:0 is the chief")
+    parser.add_argument("--ps", type=int, default=0, help="parameter-server processes (default 0)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address the tasks reach each other at (TensorFlow listens on every interface)")
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--verbose", action="store_true", help="keep TensorFlow's log noise in the output")
+    parser.add_argument("--shutdown-timeout", type=float, default=15.0,
+                        help="seconds the other tasks may run after the chief ended")
+    parser.add_argument("--no-port-warning", action="store_true",
+                        help="do not warn that the tasks' ports are open on every interface")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="restart the whole job up to N times when a task dies (default: never)")
+    parser.add_argument("--min-workers", type=int, default=None,
+                        help="with --max-restarts: one worker fewer per restart, never below M")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="with --max-restarts: the job's checkpoint directory, for the step restarts name")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every task runs")
+    args = parser.parse_args(argv)
+    _check_restarts(parser, args)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given: put it after `--`, e.g. -- python train.py")
+    if args.workers < 1 or args.ps < 0:
+        parser.error("`--workers` must be >= 1 and `--ps` >= 0, got %d and %d" % (args.workers, args.ps))
+    if not 0 < args.grace <= 30 or not 0 <= args.shutdown_timeout <= 600:
+        parser.error("`--grace` must be in (0, 30] and `--shutdown-timeout` in [0, 600], got %s and %s"
+                     % (args.grace, args.shutdown_timeout))
+    args.command = command
+    return args
+
+
+def _check_restarts(parser, args):
+    """One usage line for restart flags that do not fit together."""
+    if args.max_restarts is None:
+        if args.min_workers is not None or args.checkpoint_dir is not None:
+            parser.error("`--min-workers` and `--checkpoint-dir` need `--max-restarts`")
+        return
+    if args.max_restarts < 0:
+        parser.error("`--max-restarts` must be >= 0, got %d" % args.max_restarts)
+    if args.min_workers is not None and not 1 <= args.min_workers <= args.workers:
+        parser.error("`--min-workers` must be in [1, --workers] = [1, %d], got %d"
+                     % (args.workers, args.min_workers))
+
+
+def _install_handlers(launcher):
+    """Records SIGINT/SIGTERM/SIGHUP for the supervise loop; returns the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def record(signum, _frame):
+        launcher.received = signum
+
+    return {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+
+def main(argv=None, stdout=None, stderr=None):
+    """Runs the launcher; returns its exit status (the chief's, or non-zero on failure).
+
+    Args:
+      argv: command-line arguments, ``sys.argv[1:]`` by default.
+      stdout: binary stream for the tasks' output (default: ``sys.stdout.buffer``).
+      stderr: text stream for the launcher's messages (default: ``sys.stderr``).
+
+    Returns:
+      The exit status.
+
+    Example:
+      >>> main(["--workers", "2", "--", "python", "examples/parabola_sync.py"])
+      0
+    """
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    launcher = Launcher(args.command, args.workers, args.ps, args.host, args.grace, args.shutdown_timeout,
+                        stdout=stdout, stderr=stderr, verbose=args.verbose, max_restarts=args.max_restarts,
+                        min_workers=args.min_workers, checkpoint_dir=args.checkpoint_dir)
+    warning = None if args.no_port_warning else port_warning(launcher.cluster, non_loopback_interfaces())
+    if warning is not None:
+        launcher.say(warning)
+    previous = _install_handlers(launcher)
+    try:
+        return launcher.run()
+    except OSError as exc:  # The command cannot be started: one line, not a traceback.
+        # os.strerror: Python 3.7 appends the file name to exc.strerror.
+        launcher.say("cannot start %r: %s" % (args.command[0], os.strerror(exc.errno) if exc.errno else exc))
+        return 127
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
