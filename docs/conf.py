@@ -67,11 +67,6 @@ html_show_sourcelink = False
 html_theme_options = {"navigation_with_keys": True}
 
 
-def _documented(domain, name):
-    entry = domain.objects.get(name)
-    return entry if entry is not None and not entry.aliased else None
-
-
 def _reexports():
     """(name where a user may find it, its home's name) for every re-exported class and function.
 
@@ -80,39 +75,58 @@ def _reexports():
     one of its names; the others become aliases, so that both resolve.
     """
     pairs = []
-    for module in [gradaccum] + [getattr(gradaccum, n) for n in gradaccum.__all__ if inspect.ismodule(
-            getattr(gradaccum, n))]:
+    public = [("gradaccum", gradaccum)] + [("gradaccum." + n, getattr(gradaccum, n)) for n in gradaccum.__all__
+                                           if inspect.ismodule(getattr(gradaccum, n))]
+    for public_name, module in public:
+        if module.__name__ != public_name:  # gradaccum.tower is gradaccum.devices.tower
+            pairs.append((public_name, module.__name__))
         names = module.__all__ if module is gradaccum else [n for n in vars(module) if not n.startswith("_")]
         for name in names:
             obj = getattr(module, name)
             if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__.startswith("gradaccum"):
                 home = "%s.%s" % (obj.__module__, obj.__qualname__)
-                if home != "%s.%s" % (module.__name__, name):
-                    pairs.append(("%s.%s" % (module.__name__, name), home))
+                for prefix in set([public_name, module.__name__]):
+                    if home != "%s.%s" % (prefix, name):
+                        pairs.append(("%s.%s" % (prefix, name), home))
     return pairs
 
 
 def _add_aliases(app, env):
     """Makes every re-exported name resolve to the one place its object is documented.
 
-    A name in ``gradaccum.__all__`` documented under none of its names is a warning (an error with -W).
+    Aliases chain (``gradaccum.ClusterError`` -> ``gradaccum.cluster.ClusterError`` ->
+    ``gradaccum.distributed.cluster.ClusterError``), so the pairs are resolved until none is left
+    that can be. A name in ``gradaccum.__all__`` documented under none of its names is a warning
+    (an error with -W).
     """
     from sphinx.util import logging
 
     domain = env.get_domain("py")
-    for alias, home in _reexports():
-        names = [n for n in (alias, home) if _documented(domain, n)]
-        if not names:
-            if alias.count(".") == 1:
-                logging.getLogger(__name__).warning("%s (in gradaccum.__all__) is not in the API reference", alias)
-            continue
-        source = names[0]
-        target = home if source == alias else alias
-        for name, entry in list(domain.objects.items()):
-            if (name == source or name.startswith(source + ".")) and not entry.aliased:
-                new = target + name[len(source):]
-                if new not in domain.objects:
-                    domain.objects[new] = entry._replace(aliased=True)
+    pending = _reexports()
+    while pending:
+        left = [pair for pair in pending if not _alias(domain, *pair)]
+        if len(left) == len(pending):
+            break
+        pending = left
+    for alias, _ in pending:
+        if alias.count(".") == 1:
+            logging.getLogger(__name__).warning("%s (in gradaccum.__all__) is not in the API reference", alias)
+
+
+def _alias(domain, alias, home):
+    """Copies the entries of whichever of ``alias`` and ``home`` is known to the other; False if neither is."""
+    source = next((name for name in (alias, home) if name in domain.objects), None)
+    if source is None:
+        return False
+    target = home if source == alias else alias
+    for name, entry in list(domain.objects.items()):
+        if name == source or name.startswith(source + "."):
+            new = target + name[len(source):]
+            if new not in domain.objects:
+                domain.objects[new] = entry._replace(aliased=True)
+                if name in domain.modules:  # A module's reference resolves through its entry there.
+                    domain.modules[new] = domain.modules[name]
+    return True
 
 
 def _skip_tuple_fields(app, what, name, obj, skip, options):
