@@ -565,7 +565,7 @@ def test_a_static_batch_smaller_than_k_is_an_error_when_built():
 @pytest.mark.parametrize("arguments, error, message", [
     ({"acc": v1.train.GradientDescentOptimizer(0.1)}, TypeError, "must be a gradaccum.GradientAccumulator"),
     ({"model": "loss"}, TypeError, "`model_fn` must be callable, got 'loss'"),
-    ({"update_ops": "some"}, ValueError, "`update_ops` must be one of 'all', 'first' or \\[\\]"),
+    ({"update_ops": "some"}, ValueError, "`update_ops` must be 'first', 'all' or a list of ops \\(\\[\\]: none\\), got 'some'"),
     ({"model": lambda x, ids, y: tf.square(y)}, ValueError, "must return a scalar loss"),
     ({"model": lambda x, ids, y: (_model(x, ids, y), "two")}, TypeError, "`weight` must have a numeric dtype, got string"),
 ], ids=["optimizer", "model_fn", "update_ops", "non-scalar", "weight"])

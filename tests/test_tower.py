@@ -267,8 +267,9 @@ def test_update_ops_choice_moves_moving_statistics(update_ops, training):
         deprecations = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
         if update_ops is None:
             assert deprecations == [
-                "tower.minimize(update_ops=None) is deprecated: it runs no update ops; say update_ops=[] for "
-                "none (None in GradientAccumulator.minimize means every one)"]
+                "tower.minimize(update_ops=None) is deprecated: it runs no update ops; say update_ops=[] (none), "
+                "'first' or 'all' (every UPDATE_OPS op the model built), which mean the same in minimize, "
+                "apply_gradients, tower.minimize and subdivisions.minimize"]
         else:
             assert deprecations == []
         assert [len(graph.get_collection(UPDATE_OPS, t.scope)) for t in result.towers] == [2] * 4
@@ -547,7 +548,7 @@ def _loss_model(x):
     pytest.param(dict(variables_device=0), TypeError,
                  r"`variables_device` must be a device string .*got 0", id="variables_device"),
     pytest.param(dict(update_ops="last"), ValueError,
-                 r"`update_ops` must be one of 'first', 'all' or \[\] \(none\), got 'last'", id="update_ops"),
+                 r"`update_ops` must be 'first', 'all' or a list of ops \(\[\]: none\), got 'last'", id="update_ops"),
     pytest.param(dict(name=""), ValueError, r"`name` must be a non-empty string, got ''", id="name"),
     pytest.param(dict(inputs=[]), ValueError,
                  r"`inputs` must be a tensor or a non-empty list of tensors, got \[\]", id="inputs-empty"),

@@ -214,9 +214,10 @@ def _batches_of(*given):
 
 
 @pytest.mark.parametrize("model_fn, inputs, update_ops, error, match", [
-    pytest.param(lambda x: (_loss_only(x), tf.reduce_sum(x)), np.ones((4, 3), np.float32), "first", TypeError,
-                 r"`model_fn` must return a loss or \(loss, outputs\), outputs a tensor or a nested structure "
-                 r"of tensors with a leading \(batch\) dimension, got <tf.Tensor .*shape=\(\) .* in tower 0",
+    pytest.param(lambda x: gradaccum.ModelResult(_loss_only(x), outputs=tf.reduce_sum(x)), np.ones((4, 3), np.float32),
+                 "first", TypeError,
+                 r"`model_fn` must return a loss or ModelResult\(loss, outputs=...\), outputs a tensor or a nested "
+                 r"structure of tensors with a leading \(batch\) dimension, got <tf.Tensor .*shape=\(\) .* in tower 0",
                  id="scalar-output"),
     pytest.param(_loss_only, _batches_of(2, [np.ones((2, 3)), np.ones((2, 1))]), "first", ValueError,
                  r"`inputs\(\)` must return the same number of inputs for every tower, got 1 for tower 0 and 2 "

@@ -499,6 +499,8 @@ class WindowStatistics(WindowObserver):
       >>> stats[0].accumulate()
     """
 
+    reads_gradients = False  # It pools batch statistics, never a gradient: the weight may ride in backprop.
+
     def __init__(self, layer, mean, moving_variance_value, count, m2, inputs=None):
         self._layer = layer
         self._mean, self._count, self._m2 = mean, count, m2

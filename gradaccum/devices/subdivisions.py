@@ -34,17 +34,18 @@ out again (no op outside the loop can run them), and every micro-batch's
 run inside the train op.
 """
 import collections
-import contextlib
+import warnings
 
-from gradaccum.devices import splitting
 from gradaccum import _validate
+from gradaccum._compat import tf, v1_control_flow, visible_gpus
+from gradaccum.devices import splitting
+from gradaccum.devices.model import check_model_fn, read_result, tower_scope
+from gradaccum.devices.placement import device_function, placement as checked_placement
 from gradaccum.window import pipeline
-from gradaccum.devices import tower
-from gradaccum._compat import tf, v1_control_flow
+from gradaccum.window.accumulator import GradientAccumulator, weighted_grad_loss
 from gradaccum.window.gradients import weighted
-from gradaccum.window.update_ops import split_update_ops
-from gradaccum.window.accumulator import GradientAccumulator, check_global_step, weight_in_backprop, weighted_grad_loss
 from gradaccum.window.observers import MicroBatch
+from gradaccum.window.update_ops import ALL, FIRST, chosen_update_ops, split_update_ops
 
 SubdividedTraining = collections.namedtuple("SubdividedTraining", ["train_op", "loss", "num_micro_batches"])
 SubdividedTraining.__doc__ = """What :func:`minimize` builds.
@@ -57,11 +58,13 @@ Attributes:
   num_micro_batches: int64 scalar tensor, the k of the run (read once per run).
 """
 
-_UPDATE_OPS_CHOICES = ("first", "all")
+# Why the accessors of a window in progress have nothing to say about this form.
+NO_STATE = ("the one-run form (subdivisions.minimize) keeps no window between runs: each run of its train op "
+            "is one whole update; run SubdividedTraining.train_op, and read its num_micro_batches")
 
 
-def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, variables_device="/cpu:0",
-             update_ops="first", name="subdivisions"):
+def minimize(optimizer, model_fn, inputs, *, global_step=None, var_list=None, devices=None,
+             variables_device="/cpu:0", update_ops=FIRST, name="subdivisions"):
     """Builds one train op that splits a batch into k micro-batches inside the graph.
 
     One run is one update, equal to the wrapped optimizer's step on the whole
@@ -74,18 +77,22 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, var
         read once per run); its clipping, skipping, observers and reducer act
         as for the fused train op.
       model_fn: callable taking one micro-batch per input, returning its mean
-        loss (a scalar float tensor) or ``(loss, weight)``. The first
+        loss (a scalar float tensor) or a :class:`gradaccum.ModelResult` with
+        its ``weight`` (a pair ``(loss, weight)`` is deprecated). The first
         micro-batch creates the variables (``tf.compat.v1.get_variable``,
         ``tf.compat.v1.layers``); the others reuse them.
       inputs: the whole batch, a tensor or a list of tensors cut along axis 0
         into micro-batches whose sizes differ by at most one; or a callable
         without arguments returning one micro-batch, called k times per run.
       global_step: optional variable, incremented once per applied update.
-      devices: ``None``, or one device string per tower: each tower loops
-        over its shard's k micro-batches (a callable input: over its own pulls).
-      variables_device: with ``devices``, where the variables are created.
+      var_list: optional list of the variables to train (default: the trainable ones).
+      devices: one device string per tower, as in ``tower.minimize``
+        (``None``: every visible GPU, else the CPU): each tower loops over
+        its shard's k micro-batches (a callable input: over its own pulls).
+      variables_device: where the variables are created (``None``: the first device).
       update_ops: ``"first"`` (the first tower's ``UPDATE_OPS``), ``"all"``
-        (every tower's), run on every micro-batch; or ``[]``, none.
+        (every tower's), run on every micro-batch; or ``[]``, none. Window
+        batch norm pools every tower's micro-batches with ``"first"`` too.
       name: name scope of the loops and the first micro-batches' models.
 
     Returns:
@@ -102,24 +109,26 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, devices=None, var
       >>> result = gradaccum.subdivisions.minimize(opt, model_fn, [images, labels])
       >>> sess.run(result.train_op, {images: batch_x, labels: batch_y})  # one update
     """
-    _check_arguments(optimizer, model_fn, update_ops, name)
-    check_global_step(optimizer, global_step)
+    update_ops = _check_arguments(optimizer, model_fn, update_ops, name)
+    var_list = _validate.check_var_list(var_list)
+    builder = optimizer.builder
+    builder.check_global_step(global_step)
     placements = _placements(devices, variables_device)
     outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
     with tf.compat.v1.name_scope(name) as scope:
-        k = _loop_bound(optimizer, global_step)
-        towers = _towers(scope, _Model(optimizer, model_fn, update_ops), placements,
+        k = _loop_bound(builder, global_step)
+        towers = _towers(scope, _Model(optimizer, model_fn, update_ops, var_list, 0), placements,
                          _input_sources(inputs, k, len(placements)))
         first = towers[0].build_first()
-    _, pairs, step, config = optimizer._prepare(first.pairs, pipeline.Step(global_step, name, None, [], None, False))
+    _, pairs, step, config = builder.prepare(first.pairs, pipeline.Step(global_step, name, None, [], None, False))
     with v1_control_flow(config.ref_step_flow):
         done, state, loss_sum, total = _looped_window(config, step, towers, k, outer_scope)
     with tf.compat.v1.name_scope(scope):
         train_op = tf.group(done, name="train")
         loss = tf.cast(loss_sum / total, first.loss.dtype.base_dtype, name="loss")
         k = tf.cast(k, tf.int64, name="window_size")
-    window = pipeline.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)))
-    return SubdividedTraining(optimizer._register(window, step), loss, k)
+    window = pipeline.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)), no_state=NO_STATE)
+    return SubdividedTraining(builder.register(window, step), loss, k)
 
 
 def _looped_window(config, step, towers, k, outer_scope):
@@ -140,15 +149,17 @@ def _looped_window(config, step, towers, k, outer_scope):
     return done, state, loss_sum, total
 
 
-# What every micro-batch is built from: the accumulator, the model function,
-# and the update-ops choice of its tower ("first" gives the other towers []).
-_Model = collections.namedtuple("_Model", ["optimizer", "model_fn", "update_ops"])
+# What every micro-batch is built from: the accumulator, the model function, the
+# update-ops choice of its tower ("first": the later towers run none of their plain
+# update ops, but their window batch-norm statistics fold in) and the variables trained.
+_Model = collections.namedtuple("_Model", ["optimizer", "model_fn", "update_ops", "var_list", "tower"])
 
 
 def _towers(scope, model, placements, sources):
-    """One :class:`_Tower` per placement; ``update_ops="first"`` gives the towers after the first none."""
+    """One :class:`_Tower` per placement; ``update_ops="first"`` gives the later towers statistics only."""
     count = len(placements)
-    return [_Tower(scope, model._replace(update_ops=_tower_update_ops(model.update_ops, index)), placement,
+    return [_Tower(scope, model._replace(update_ops=_tower_update_ops(model.update_ops, index), tower=index),
+                   placement,
                    source, index, count) for index, (placement, source) in enumerate(zip(placements, sources))]
 
 
@@ -162,17 +173,14 @@ class _Tower(object):
         self._var_scope = tf.compat.v1.get_variable_scope()
         self.first = None
 
-    @contextlib.contextmanager
     def _building(self):
         """The tower's scopes: its name, device function and (after the first tower) variable reuse."""
-        with tf.compat.v1.name_scope(self._scope), tf.compat.v1.device(self._placement), \
-                tf.compat.v1.variable_scope(self._var_scope, reuse=self._reuse, auxiliary_name_scope=False):
-            yield
+        return tower_scope(self._scope, self._placement, self._reuse, self._var_scope)
 
     def build_first(self):
         """Builds and keeps the tower's micro-batch 0; returns it."""
         with self._building(), tf.compat.v1.name_scope("micro_batch_0"):
-            self.first = _micro_batch(self._model, self._source(0), keep=True)
+            self.first = _micro_batch(self._model, self._source(0), keep=True, var_list=self._model.var_list)
         return self.first
 
     def loop(self, k, state, dtypes):
@@ -184,18 +192,23 @@ class _Tower(object):
             return _summed_loop(self._model, self._source, k, self.first, state, dtypes)
 
 
+# A later tower under "first": its window batch-norm statistics, none of its plain update ops.
+_STATISTICS_ONLY = "statistics only"
+
+
 def _tower_update_ops(update_ops, index):
-    """What a tower runs: its own update ops unless ``"first"`` keeps only tower 0's."""
-    return [] if update_ops == "first" and index else update_ops
+    """What a tower runs: its own update ops, or only its window statistics when ``"first"`` keeps tower 0's."""
+    return _STATISTICS_ONLY if update_ops == FIRST and index else update_ops
 
 
 def _placements(devices, variables_device):
-    """One device function per tower (``[None]``: one tower, the default placement)."""
-    if devices is None:
-        return [None]
-    checked = tower._check_devices(devices)
-    variables_device = tower._check_device(variables_device, "variables_device")
-    return [tower._device_function(device, variables_device) for device in checked]
+    """One device function per tower, as ``tower.minimize`` places its towers."""
+    if devices is None and visible_gpus():
+        warnings.warn("subdivisions.minimize(devices=None) now means what it means in tower.minimize: every "
+                      "visible GPU, variables on `variables_device`; it was one tower, unplaced. Pass "
+                      "devices=['/gpu:0'] for one GPU", FutureWarning, stacklevel=3)
+    checked = checked_placement(devices, variables_device)
+    return [device_function(device, checked.variables_device) for device in checked.devices]
 
 
 def _combined(looped):
@@ -220,17 +233,19 @@ def _combined(looped):
 
 
 def _check_arguments(optimizer, model_fn, update_ops, name):
+    """Checks :func:`minimize`'s arguments; returns the update-ops choice."""
     if not isinstance(optimizer, GradientAccumulator):
         raise TypeError("`optimizer` must be a gradaccum.GradientAccumulator (its num_micro_batches is the "
                         "number of micro-batches per run), got %s; wrap it: GradientAccumulator(opt, k)"
                         % _validate.describe(optimizer))
-    if not callable(model_fn):
-        raise TypeError("`model_fn` must be callable, got %s" % _validate.describe(model_fn))
-    if not (isinstance(update_ops, str) and update_ops in _UPDATE_OPS_CHOICES
-            or isinstance(update_ops, (list, tuple)) and not update_ops):
-        raise ValueError("`update_ops` must be one of 'all', 'first' or [] (none), got %s"
-                         % _validate.describe(update_ops))
+    check_model_fn(model_fn)
+    update_ops = chosen_update_ops(update_ops, "subdivisions.minimize", none_means="none")
+    if isinstance(update_ops, list) and update_ops:
+        raise ValueError("`update_ops` must be 'first', 'all' or [] in subdivisions.minimize, got a list of %d "
+                         "ops: the loop runs the update ops model_fn builds on each micro-batch, and ops built "
+                         "outside it cannot run inside it" % len(update_ops))
     _validate.check_name(name)
+    return update_ops
 
 
 def _refuse(config):
@@ -241,9 +256,9 @@ def _refuse(config):
                          "shard_cache=False (stage 1) or the fused train op")
 
 
-def _loop_bound(optimizer, global_step):
+def _loop_bound(builder, global_step):
     """k as an int32 scalar tensor: the accumulator's static int, or its source read once per run."""
-    size = optimizer._size
+    size = builder.size
     if size.k is not None:
         return tf.constant(size.k, tf.int32, name="num_micro_batches")
     with tf.compat.v1.name_scope("num_micro_batches"):
@@ -331,36 +346,27 @@ def _micro_batch(model, source, keep, var_list=None, optimizer=None):
     graph = tf.compat.v1.get_default_graph()
     updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
     before = len(updates)
-    loss, weight = _loss_and_weight(model.model_fn(*tensors), size)
+    result = read_result(model.model_fn(*tensors), "weight", model.tower)
+    if result.outputs is not None:
+        raise ValueError("`model_fn` returned outputs in tower %d: subdivisions.minimize does not collect "
+                         "per-example outputs; compute them with a separate forward pass, or use "
+                         "tower.minimize" % model.tower)
+    loss, weight = result.loss, size if result.weight is None else result.weight
     created = list(updates[before:])
     if not keep:
         del updates[before:]
-    in_backprop = weight_in_backprop(model.optimizer, loss, weight, var_list)
+    in_backprop = model.optimizer.builder.weight_in_backprop(loss, weight, var_list)
     grad_loss = weighted_grad_loss(loss, None, weight) if in_backprop else None
     pairs = optimizer.compute_gradients(loss, var_list=var_list, grad_loss=grad_loss)
-    if var_list is None:
-        pairs = [(grad, var) for grad, var in pairs if grad is not None]
-        if not pairs:
-            raise ValueError("No gradients provided for any variable: `model_fn`'s loss %s depends on no "
-                             "trainable variable" % _validate.describe(loss))
+    pairs = [(grad, var) for grad, var in pairs if grad is not None]
+    if not pairs:
+        raise ValueError("No gradients provided for any variable: `model_fn`'s loss %s depends on no "
+                         "variable trained" % _validate.describe(loss))
     grad_weight = None if in_backprop else weight
-    if isinstance(update_ops, (list, tuple)):  # []: none
+    if isinstance(update_ops, list):  # []: none
         return _Micro(loss, weight, pairs, [], [], grad_weight)
     plain, stats = split_update_ops(created)
-    return _Micro(loss, weight, pairs, plain, stats, grad_weight)
-
-
-def _loss_and_weight(result, size):
-    """``model_fn``'s result as ``(loss, weight)``: the weight defaults to the micro-batch's size."""
-    loss, weight = result if isinstance(result, (list, tuple)) and len(result) == 2 else (result, size)
-    if not isinstance(loss, tf.Tensor) or not loss.dtype.base_dtype.is_floating:
-        raise TypeError("`model_fn` must return a scalar float loss tensor, or (loss, weight), got %s"
-                        % _validate.describe(result))
-    if loss.shape.ndims != 0:
-        raise ValueError("`model_fn` must return a scalar loss (the mean over its micro-batch), got shape %s: "
-                         "reduce it with tf.reduce_mean, so that the size-weighted average is the full "
-                         "batch's mean" % (loss.shape,))
-    return loss, _validate.check_scalar_tensor(weight, "weight")
+    return _Micro(loss, weight, pairs, [] if update_ops == _STATISTICS_ONLY else plain, stats, grad_weight)
 
 
 # ------------------------------------------------------------------ the loop
@@ -389,7 +395,7 @@ def _summed_loop(model, source, k, first, state, dtypes):
         with tf.compat.v1.variable_scope(var_scope, reuse=True, auxiliary_name_scope=False):
             # A reducer's compute_gradients may exchange (the collective engine's first-run sync):
             # micro-batch 0 did that, outside the loop; inside it, its wrapped optimizer's.
-            reducer = model.optimizer._reducer
+            reducer = model.optimizer.builder.reducer
             micro = _micro_batch(model, source(i), keep=False, var_list=variables,
                                  optimizer=None if reducer is None else reducer.optimizer)
         with tf.control_dependencies(micro.to_run):

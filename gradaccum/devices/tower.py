@@ -45,9 +45,7 @@ differentiate its sum, which the shard-size weighting would make wrong.
 import collections
 import functools
 import numbers
-import warnings
 
-from gradaccum import _compat
 from gradaccum.devices import context as tower_context
 from gradaccum.devices import guard as tower_guard
 from gradaccum.devices import splitting
@@ -56,6 +54,9 @@ from gradaccum._compat import tf
 from gradaccum.window.gradients import normalized
 from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.window.accumulator import GradientAccumulator
+from gradaccum.window.update_ops import FIRST, chosen_update_ops
+from gradaccum.devices.model import check_model_fn, read_result, tower_scope
+from gradaccum.devices.placement import device_function, placement as checked_placement
 
 
 class TowerTraining(collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])):
@@ -97,18 +98,8 @@ Attributes:
   grads_and_vars: this tower's ``(gradient, variable)`` pairs, unweighted.
 """
 
-UPDATE_OPS_CHOICES = ("first", "all", [])
-
-# Op types that hold state: placed on `variables_device` (parameter-server layout).
-_VARIABLE_OP_TYPES = frozenset([
-    "Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable",
-    "MutableHashTable", "MutableHashTableV2", "MutableHashTableOfTensors",
-    "MutableHashTableOfTensorsV2", "MutableDenseHashTable", "MutableDenseHashTableV2",
-])
-
-
-def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
-             variables_device="/cpu:0", update_ops="first", name="tower"):
+def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None, var_list=None,
+             variables_device="/cpu:0", update_ops=FIRST, name="tower"):
     """Builds synchronous data-parallel training of ``model_fn`` over ``devices``.
 
     Each input is split along axis 0 into one shard per device (the first
@@ -121,17 +112,19 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
     Args:
       optimizer: a v1 optimizer or a ``GradientAccumulator`` (a run is a micro-batch).
       model_fn: callable taking one shard per input and returning the scalar
-        mean loss over that shard, or ``(loss, outputs)``, outputs a (nested)
-        tensor with a batch dimension; variables from ``get_variable`` or layers.
+        mean loss over that shard, or a :class:`gradaccum.ModelResult` with
+        per-example ``outputs`` (a pair ``(loss, outputs)`` is deprecated);
+        variables from ``get_variable`` or layers.
       inputs: a tensor or ``tf.SparseTensor``, or a list or tuple of them with
         the same leading (batch) dimension, static or not; or a callable
         returning one of those, called once per tower, in tower order.
       devices: device strings, one tower each (``None``: every GPU, else ``["/cpu:0"]``).
       global_step: optional variable, incremented once per applied update.
+      var_list: optional list of the variables to train (default: the trainable ones).
       variables_device: device of the shared variables (``None``: the first tower's).
       update_ops: ``"first"`` runs the ``UPDATE_OPS`` the first tower created,
-        ``"all"`` every tower's (every tower then needs an example), ``[]``
-        none (``None``, deprecated, too).
+        ``"all"`` every tower's (every tower then needs an example), a list
+        those ops, ``[]`` none (``None``, deprecated, too).
       name: name scope of the ops outside the towers, and the towers' prefix.
 
     Returns:
@@ -151,14 +144,16 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None,
       >>> sess.run([result.train_op, result.loss])
     """
     placement, update_ops = _check_arguments(optimizer, model_fn, devices, variables_device, update_ops, name)
+    var_list = _validate.check_var_list(var_list)
     with tf.compat.v1.name_scope(name) as scope:
-        batches = splitting.tower_batches(inputs, len(placement[0]), update_ops == "all")
+        batches = splitting.tower_batches(inputs, len(placement.devices), update_ops == "all")
     plan = _plan(name, placement, batches, guard=update_ops != "all")
     # What synchronized layers see (batch_norm.py).
     rank, workers = _collective_worker(optimizer)
     group = tower_context.TowerGroup(plan.devices, plan.batches.sizes, worker=rank, workers=workers)
-    towers, tower_update_ops, tower_outputs = _build_towers(optimizer, model_fn, plan, group)
-    chosen = {"first": tower_update_ops[0], "all": sum(tower_update_ops, []), "none": []}[update_ops]
+    towers, tower_update_ops, tower_outputs = _build_towers(optimizer, model_fn, plan, group, var_list)
+    chosen = update_ops if isinstance(update_ops, list) else {
+        "first": tower_update_ops[0], "all": sum(tower_update_ops, [])}[update_ops]
     weights = _check_weights(plan.batches.sizes, len(towers))
     with tf.compat.v1.name_scope(scope):
         loss, grads_and_vars, outputs = _combine(towers, weights, tower_outputs, plan.returned["outputs"])
@@ -219,82 +214,21 @@ def average_gradients(tower_grads, weights=None):
 
 
 def _check_arguments(optimizer, model_fn, devices, variables_device, update_ops, name):
-    """Checks :func:`minimize`'s arguments: ``((devices, variables_device), update ops choice)``."""
+    """Checks :func:`minimize`'s arguments: ``(placement, update ops choice)``."""
     _validate.check_optimizer(optimizer)
-    if not callable(model_fn):
-        raise TypeError("`model_fn` must be callable, got %s" % _validate.describe(model_fn))
-    devices = _check_devices(devices)
-    variables_device = devices[0] if variables_device is None else _check_device(
-        variables_device, "variables_device")
+    check_model_fn(model_fn)
+    checked = checked_placement(devices, variables_device)
     _validate.check_name(name)
-    return (devices, variables_device), _update_ops_choice(update_ops)
-
-
-def _update_ops_choice(update_ops):
-    """``"first"``, ``"all"`` or ``"none"``: what ``update_ops`` asks for."""
-    if update_ops is None:
-        # GradientAccumulator.minimize's None means every UPDATE_OPS op: here
-        # it meant none, which `[]` now says in both.
-        warnings.warn("tower.minimize(update_ops=None) is deprecated: it runs no update ops; say "
-                      "update_ops=[] for none (None in GradientAccumulator.minimize means every one)",
-                      FutureWarning, stacklevel=3)
-        return "none"
-    if isinstance(update_ops, (list, tuple)) and not update_ops:
-        return "none"
-    if isinstance(update_ops, str) and update_ops in ("first", "all"):
-        return update_ops
-    raise ValueError("`update_ops` must be one of 'first', 'all' or [] (none), got %s"
-                     % _validate.describe(update_ops))
-
-
-def _check_device(device, arg):
-    if not isinstance(device, str):
-        raise TypeError("`%s` must be a device string such as \"/gpu:0\", got %s"
-                        % (arg, _validate.describe(device)))
-    try:
-        tf.compat.v1.DeviceSpec.from_string(device)
-    except ValueError:
-        raise ValueError("`%s` must be a device string such as \"/gpu:0\", got %s"
-                         % (arg, _validate.describe(device))) from None
-    return device
-
-
-def _check_devices(devices):
-    if devices is None:
-        return _compat.visible_gpus() or ["/cpu:0"]
-    if not isinstance(devices, (list, tuple)):
-        raise TypeError("`devices` must be a non-empty list of device strings, got %s"
-                        % _validate.describe(devices))
-    if not devices:
-        raise ValueError("`devices` must be a non-empty list of device strings, got %s"
-                         % _validate.describe(devices))
-    return [_check_device(device, "devices") for device in devices]
+    return checked, chosen_update_ops(update_ops, "tower.minimize", none_means="none")
 
 
 def _plan(name, placement, batches, guard):
     """The towers to build: those whose batch is not known to be empty."""
-    devices, variables_device = placement
+    devices, variables_device = placement.devices, placement.variables_device
     indices = [i for i, size in enumerate(batches.sizes) if not (isinstance(size, int) and size == 0)]
     kept = splitting.Batches(batches.batch_size, [batches.sizes[i] for i in indices],
                                  [batches.shards[i] for i in indices])
     return _Plan(name, indices, [devices[i] for i in indices], variables_device, kept, guard, {})
-
-
-def _device_function(compute_device, variables_device):
-    """Places variable ops on ``variables_device`` and every other op on ``compute_device``.
-
-    A device the op already has (from a ``tf.device`` inside ``model_fn``, or
-    a variable read colocated with its variable) wins over this choice.
-    """
-    compute = tf.compat.v1.DeviceSpec.from_string(compute_device)
-    variables = tf.compat.v1.DeviceSpec.from_string(variables_device)
-
-    def choose(op):
-        op_type = op.type if hasattr(op, "type") else op.op  # An Operation or a NodeDef.
-        target = variables if op_type in _VARIABLE_OP_TYPES else compute
-        return target.make_merged_spec(tf.compat.v1.DeviceSpec.from_string(op.device or "")).to_string()
-
-    return choose
 
 
 def _collective_worker(optimizer):
@@ -310,38 +244,36 @@ _Plan = collections.namedtuple("_Plan", ["name", "indices", "devices", "variable
                                          "returned"])
 
 
-def _build_towers(optimizer, model_fn, plan, group):
+def _build_towers(optimizer, model_fn, plan, group, var_list):
     """Builds one tower per device that may have examples.
 
     Returns the towers, each tower's update ops and each tower's outputs.
     """
     towers, update_ops, outputs = [], [], []
     for position in range(len(plan.indices)):
-        built = _build_tower(optimizer, model_fn, plan, group, position, outputs[0] if outputs else None)
+        built = _build_tower(optimizer, model_fn, plan, group, position, outputs[0] if outputs else None,
+                             var_list)
         towers.append(built[0])
         update_ops.append(built[1])
         outputs.append(built[2])
     return towers, update_ops, outputs
 
 
-def _build_tower(optimizer, model_fn, plan, group, position, first_outputs):
+def _build_tower(optimizer, model_fn, plan, group, position, first_outputs, var_list):
     """Tower ``position``: ``(Tower, its UPDATE_OPS, its flat outputs)``."""
     graph = tf.compat.v1.get_default_graph()
     known = _variable_names(graph)
     updates_before = len(graph.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS))
     index, device, size = plan.indices[position], plan.devices[position], plan.batches.sizes[position]
     shard = plan.batches.shards[position]
-    with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(), reuse=True if position else None,
-                                     auxiliary_name_scope=False), \
-            tf.compat.v1.device(_device_function(device, plan.variables_device)), \
-            tf.compat.v1.name_scope("%s_%d" % (plan.name, index)) as scope, \
-            tower_context.TowerContext(group, position):
+    with tower_scope("%s_%d" % (plan.name, index), device_function(device, plan.variables_device),
+                     True if position else None) as scope, tower_context.TowerContext(group, position):
         # A later tower may get no example: then its model must not run (some kernels
         # abort on an empty batch). Synchronized layers need every tower to take part.
         guarded = position and plan.guard and not isinstance(size, int) and not group.synchronized
         if guarded:  # On the tower's device, so that the cond's switches of the shard are too.
             shard = [splitting.identity(tensor) for tensor in shard]
-        run = functools.partial(_run_model, optimizer, model_fn, shard, (index, plan.returned))
+        run = functools.partial(_run_model, optimizer, model_fn, shard, (index, plan.returned), var_list)
         if guarded:
             loss, grads_and_vars, outputs = tower_guard.run_if(size > 0, run, first_outputs)
         else:
@@ -352,23 +284,25 @@ def _build_tower(optimizer, model_fn, plan, group, position, first_outputs):
     return Tower(device, scope, loss, grads_and_vars), updates, outputs
 
 
-def _run_model(optimizer, model_fn, shard, tower):
+def _run_model(optimizer, model_fn, shard, tower, var_list):
     """``model_fn`` on ``shard``: ``(loss, grads_and_vars, flat per-example outputs)``.
 
     ``tower`` is ``(index, returned)``: the first tower records its outputs'
     structure in ``returned["outputs"]``, the others must match it.
     """
     index, returned = tower
-    loss, outputs = model_fn(*shard), None
-    if isinstance(loss, (list, tuple)) and len(loss) == 2 and isinstance(loss[0], tf.Tensor):
-        loss, outputs = loss
-    loss = _check_loss(loss, index)
+    result = read_result(model_fn(*shard), "outputs", index)
+    if result.weight is not None:
+        raise ValueError("`model_fn` returned a weight in tower %d: tower.minimize weighs each tower by its "
+                         "example count; a weight per micro-batch is subdivisions.minimize's, or "
+                         "GradientAccumulator.minimize's `weight`" % index)
+    loss, outputs = result.loss, result.outputs
     flat = _check_outputs(outputs, index)
     returned.setdefault("outputs", outputs)
     if len(flat) != len(_check_outputs(returned["outputs"], 0)):
         raise ValueError("`model_fn` must return the same outputs in every tower, got %s in tower %d and %s "
                          "in tower 0" % (_validate.describe(outputs), index, _validate.describe(returned["outputs"])))
-    return loss, optimizer.compute_gradients(loss), flat
+    return loss, optimizer.compute_gradients(loss, var_list=var_list), flat
 
 
 def _check_outputs(outputs, index):
@@ -378,8 +312,8 @@ def _check_outputs(outputs, index):
     flat = tf.nest.flatten(outputs)
     for output in flat:
         if not isinstance(output, tf.Tensor) or not output.shape.ndims:
-            raise TypeError("`model_fn` must return a loss or (loss, outputs), outputs a tensor or a nested "
-                            "structure of tensors with a leading (batch) dimension, got %s in tower %d"
+            raise TypeError("`model_fn` must return a loss or ModelResult(loss, outputs=...), outputs a tensor or "
+                            "a nested structure of tensors with a leading (batch) dimension, got %s in tower %d"
                             % (_validate.describe(output), index))
     return flat
 
@@ -393,21 +327,6 @@ def _combine(towers, weights, tower_outputs, structure):
     with tf.compat.v1.name_scope("outputs"):
         joined = [tf.concat(list(parts), 0) for parts in zip(*tower_outputs)]
     return loss, grads_and_vars, tf.nest.pack_sequence_as(structure, joined)
-
-
-def _check_loss(loss, index):
-    if not isinstance(loss, tf.Tensor):
-        raise TypeError("`model_fn` must return a scalar loss tensor, got %s in tower %d"
-                        % (_validate.describe(loss), index))
-    if not loss.dtype.base_dtype.is_floating:
-        raise TypeError("`model_fn` must return a floating-point loss, got dtype %s in tower %d (%s)"
-                        % (loss.dtype.base_dtype.name, index, _validate.describe(loss)))
-    if loss.shape.ndims != 0:
-        raise ValueError("`model_fn` must return a scalar loss (the mean over its shard), got shape %s "
-                         "in tower %d: reduce it with tf.reduce_mean. TF's minimize would differentiate "
-                         "the sum, but the towers are averaged weighted by shard size, so only a mean "
-                         "over the shard gives the full-batch update" % (loss.shape, index))
-    return loss
 
 
 def _variable_names(graph):

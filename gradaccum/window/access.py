@@ -134,5 +134,5 @@ class WindowAccess(object):
         return value
 
     def _missing(self, field):
-        raise ValueError(
-            "GradientAccumulator %r has no `%s`: %s" % (self.get_name(), field, _MISSING.get(field, _K1)))
+        why = _MISSING.get(field) or self._single_window().no_state or _K1
+        raise ValueError("GradientAccumulator %r has no `%s`: %s" % (self.get_name(), field, why))

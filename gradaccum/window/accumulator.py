@@ -28,7 +28,7 @@ from gradaccum.window import pipeline
 from gradaccum.window import logfilter
 from gradaccum.window import statistics as _statistics
 from gradaccum._compat import in_control_flow, is_resource_variable, loss_scale_optimizer_types, tf, v1_control_flow
-from gradaccum.window.update_ops import split_update_ops
+from gradaccum.window.update_ops import chosen_update_ops, graph_update_ops, split_update_ops
 from gradaccum.window.access import WindowAccess
 from gradaccum.window.wrapper import WrappingOptimizer, optimizer_chain
 from gradaccum.window.observers import WindowObserver
@@ -131,10 +131,16 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         # Called once per train op: statistics are per window; the observers given serve all.
         self._observers = ([_statistics.create] if self._use_statistics else []) + [
             _shared(observer) for observer in given]
+        # An observer that reads each micro-batch's gradients must see them unweighted.
+        self._observers_read_gradients = any(observer.reads_gradients for observer in given)
         # Facts about the wrapped chain, which never changes: read once, not per build step.
         self._reducer = optimizer if isinstance(optimizer, Reducer) else None
         self._loss_scaled = _loss_scaled(optimizer, loss_scaling, self._reducer)
         self._windows = []
+        self._config = pipeline.Config(self._reducer or self._optimizer, self._name, self._size, self._clip_norm,
+                                       self._accumulation_dtype, self._skip_nonfinite, self._observers,
+                                       self._reducer, self._loss_scaled, False)
+        self._builder = WindowBuilder(self)
 
     # ------------------------------------------------------------------ API
 
@@ -150,6 +156,11 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         return self._given if self._size.k is None else self._size.k
 
     @property
+    def builder(self):
+        """The :class:`WindowBuilder` through which gradaccum's forms build this accumulator's windows."""
+        return self._builder
+
+    @property
     def clip_norm(self):
         """The global-norm clip applied to the averaged gradients, or ``None``."""
         return self._clip_norm
@@ -157,7 +168,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
     def minimize(self, loss, global_step=None, var_list=None,
                  gate_gradients=tf.compat.v1.train.Optimizer.GATE_OP,
                  aggregation_method=None, colocate_gradients_with_ops=False,
-                 name=None, grad_loss=None, *, weight=None, update_ops=None):
+                 name=None, grad_loss=None, *, weight=None, update_ops="first"):
         """Builds the train op: ``compute_gradients`` plus ``apply_gradients``.
 
         Everything TF's ``Optimizer.minimize`` accepts is accepted and means
@@ -176,9 +187,11 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
           grad_loss: optional tensor holding the gradient of ``loss``.
           weight: ``None`` (each micro-batch weighs 1) or a scalar tensor, for
             example the micro-batch's example count.
-          update_ops: ops to run on every micro-batch, before its gradients are
-            added (batch-norm moving averages). ``None`` means every op in
-            ``tf.GraphKeys.UPDATE_OPS`` at call time; ``[]`` means none.
+          update_ops: what to run on every micro-batch before its gradients are
+            added (batch-norm moving averages): ``"first"`` (the default) or
+            ``"all"``, every op in ``tf.GraphKeys.UPDATE_OPS`` at call time; or
+            a list of ops, ``[]`` for none. ``None`` (deprecated, with a
+            ``FutureWarning``) still means every op.
 
         Returns:
           The train op; run it once per micro-batch.
@@ -198,9 +211,8 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         _check_graph_mode()
         var_list = _validate.check_var_list(var_list)
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
-        if update_ops is None:
-            update_ops = tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
-        weighted_grads = weight_in_backprop(self, loss, weight, var_list)
+        update_ops = graph_update_ops(chosen_update_ops(update_ops, "minimize", none_means="all"))
+        weighted_grads = self._builder.weight_in_backprop(loss, weight, var_list)
         if weighted_grads:
             # Backprop carries the weight from the loss to every gradient for free,
             # where the accumulate kernel would multiply each one on every micro-step.
@@ -216,7 +228,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         return self._build(grads_and_vars, pipeline.Step(global_step, name, weight, update_ops, None, weighted_grads))
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None,
-                        update_ops=None, small_batches=None):
+                        update_ops=(), small_batches=None):
         """Builds a train op from ``(gradient, variable)`` pairs.
 
         Each run adds the gradients (times ``weight``) to the caches; the
@@ -237,7 +249,10 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
             k = 1 and nothing to decide, TF's own default).
           weight: ``None`` (each micro-batch weighs 1) or a scalar tensor.
           update_ops: ops to run on every micro-batch before its gradients are
-            added; ``None``: none (use ``tf.control_dependencies`` then).
+            added: a list (by default none: ``tf.control_dependencies`` then),
+            or ``"first"``/``"all"``, every op in ``tf.GraphKeys.UPDATE_OPS``
+            at call time. ``None`` (deprecated, with a ``FutureWarning``)
+            still means none.
             Window statistics among them (``gradaccum.window.update_ops``) are
             accumulated per micro-step and finalized once per applied window.
           small_batches: ``None``, or the towers' ``[(grads_and_vars,
@@ -259,58 +274,125 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
           >>> grads_and_vars = opt.compute_gradients(loss)
           >>> train_op = opt.apply_gradients(grads_and_vars, global_step)
         """
+        update_ops = graph_update_ops(chosen_update_ops(update_ops, "apply_gradients", none_means="none"))
         return self._build(grads_and_vars, pipeline.Step(global_step, name, weight, update_ops, small_batches, False))
 
     def _build(self, grads_and_vars, step):
         """``apply_gradients`` for one :data:`gradaccum.window.pipeline.Step` (its update ops not yet split)."""
-        grads_and_vars, pairs, step, config = self._prepare(grads_and_vars, step)
+        grads_and_vars, pairs, step, config = self._builder.prepare(grads_and_vars, step)
         graph = tf.compat.v1.get_default_graph()
         with v1_control_flow(config.ref_step_flow), pipeline.keep_train_ops(graph):
             window = pipeline.build(config, grads_and_vars, pairs, step)
-        return self._register(window, step)
+        return self._builder.register(window, step)
 
-    def _prepare(self, grads_and_vars, step):
-        """Checks a train op's pairs and step; returns ``(grads_and_vars, pairs, step, config)``."""
-        _check_outside_control_flow(self.get_name())
+
+class WindowBuilder(object):
+    """How gradaccum's forms build a :class:`GradientAccumulator`'s windows.
+
+    The fused train op (``minimize``, ``apply_gradients``), the one-run form
+    (``gradaccum.subdivisions``) and the towers reach the window through
+    this object, ``accumulator.builder``: its settings are fixed when the
+    accumulator is made. It creates no variables.
+
+    Attributes:
+      size: the accumulator's :class:`gradaccum.window.pipeline.WindowSize` (k).
+      reducer: the wrapped :class:`gradaccum.Reducer`, or ``None``.
+      observers_read_gradients: True when an observer given reads each
+        micro-batch's gradients (``WindowObserver.reads_gradients``).
+
+    Example:
+      >>> grads_and_vars, pairs, step, config = opt.builder.prepare(grads_and_vars, step)
+      >>> train_op = opt.builder.register(pipeline.build(config, grads_and_vars, pairs, step), step)
+    """
+
+    def __init__(self, accumulator):
+        self._accumulator = accumulator
+        self.size = accumulator._size
+        self.reducer = accumulator._reducer
+        self.observers_read_gradients = accumulator._observers_read_gradients
+
+    def prepare(self, grads_and_vars, step):
+        """Checks a train op's pairs and :data:`gradaccum.window.pipeline.Step`.
+
+        Args:
+          grads_and_vars: ``(gradient, variable)`` pairs, ``None`` gradients allowed.
+          step: the train op's ``Step``, its ``update_ops`` a list of ops, not yet split.
+
+        Returns:
+          ``(grads_and_vars, pairs, step, config)``: the pairs checked, those
+          with a gradient, the step with its weight checked and its window
+          statistics split from its plain update ops, and the window's
+          :data:`gradaccum.window.pipeline.Config`.
+
+        Raises:
+          ValueError, TypeError: as ``apply_gradients``.
+        """
+        accumulator = self._accumulator
+        _check_outside_control_flow(accumulator.get_name())
         grads_and_vars, pairs = _checked_pairs(grads_and_vars)
         weight = _validate.check_scalar_tensor(step.weight, "weight", allow_none=True)
-        check_global_step(self, step.global_step)
-        update_ops = [] if step.update_ops is None else list(step.update_ops)
+        self.check_global_step(step.global_step)
+        update_ops = list(step.update_ops)
         # k = 1 has no window to pool statistics over: every update op is a plain one.
-        plain, observers = (update_ops, []) if self._size.k == 1 else split_update_ops(update_ops)
+        plain, observers = (update_ops, []) if self.size.k == 1 else split_update_ops(update_ops)
         step = step._replace(weight=weight, update_ops=plain, observers=observers)
         ref_flow = any(not is_resource_variable(var) for var in [v for _, v in pairs] + [step.global_step]
                        if var is not None)
-        config = pipeline.Config(self._reducer or self._optimizer, self._name, self._size, self._clip_norm,
-                                self._accumulation_dtype, self._skip_nonfinite, self._observers, self._reducer,
-                                self._loss_scaled, ref_flow)
-        return grads_and_vars, pairs, step, config
+        return grads_and_vars, pairs, step, accumulator._config._replace(ref_step_flow=ref_flow)
 
-    def _register(self, window, step):
+    def register(self, window, step):
         """Records a built window and puts its train op in ``TRAIN_OP``; returns the train op."""
         tf.compat.v1.get_default_graph().add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, window.train_op)
-        self._windows.append(window)
-        if self._size.k != 1 and step.global_step is not None:
+        self._accumulator._windows.append(window)
+        if self.size.k != 1 and step.global_step is not None:
             logfilter.install_global_step_warning_filter()
         return window.train_op
 
+    def check_global_step(self, global_step):
+        """Raises ``ValueError`` when k is a schedule of ``global_step`` and it is ``None``."""
+        if self.size.needs_global_step and global_step is None:
+            raise ValueError("`num_micro_batches` %r is a schedule of `global_step` (a callable or a policy): "
+                             "pass `global_step` to minimize or apply_gradients, got None"
+                             % (self._accumulator._given,))
+
+    def weight_in_backprop(self, loss, weight, var_list):
+        """Whether a micro-batch's ``weight`` is folded into ``grad_loss`` (k > 1 windows only).
+
+        Backprop then carries the weight from the loss to every gradient for
+        free, where the sum would multiply each one on every micro-batch.
+
+        Not with statistics or an observer that reads each micro-batch's
+        gradients (``WindowObserver.reads_gradients``), which need them
+        unweighted, nor under a loss-scale optimizer, whose overflow test
+        would then see the weighted gradients, nor for a callable loss, whose
+        shape is not known yet, nor where a cache is wider than its gradient
+        (``accumulation_dtype``, half-precision variables): the product is
+        then taken in the cache's dtype. Nor across processes (a reducer, or
+        collective ops behind the loss, as in worker-synchronised batch
+        norm): there each worker's backward pass mixes in the others', which
+        carry their own weights, so scaling it is not scaling the gradient.
+
+        Args:
+          loss: the micro-batch's loss tensor (or a callable).
+          weight: ``None`` or its scalar weight tensor.
+          var_list: ``None`` (the trainable variables) or the variables trained.
+
+        Returns:
+          A Python bool.
+        """
+        accumulator = self._accumulator
+        if (weight is None or self.size.k == 1 or accumulator._use_statistics or self.observers_read_gradients
+                or callable(loss)):
+            return False
+        dtype = tf.convert_to_tensor(loss).dtype.base_dtype
+        variables = tf.compat.v1.trainable_variables() if var_list is None else var_list
+        return (dtype in _ACCUMULATION_DTYPES and accumulator._accumulation_dtype in (None, dtype)
+                and all(v.dtype.base_dtype == dtype for v in variables)
+                and not accumulator._loss_scaled and self.reducer is None
+                and not _crosses_processes(loss))
+
 
 # ---------------------------------------------------------------- helpers
-
-def check_global_step(accumulator, global_step):
-    """Raises ``ValueError`` when ``accumulator``'s window size is a schedule of ``global_step`` and it is None.
-
-    Args:
-      accumulator: a :class:`GradientAccumulator`.
-      global_step: the step variable a train op is built with, or ``None``.
-
-    Example:
-      >>> check_global_step(opt, tf.compat.v1.train.get_global_step())
-    """
-    if accumulator._size.needs_global_step and global_step is None:
-        raise ValueError("`num_micro_batches` %r is a schedule of `global_step` (a callable or a policy): "
-                         "pass `global_step` to minimize or apply_gradients, got None" % (accumulator._given,))
-
 
 def _check_outside_control_flow(name):
     _check_graph_mode()
@@ -319,32 +401,6 @@ def _check_outside_control_flow(name):
             "GradientAccumulator %r must build its train op outside tf.cond and tf.while_loop; "
             "to combine it with loss scaling, wrap the loss-scale optimizer inside it: "
             "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % name)
-
-
-def weight_in_backprop(accumulator, loss, weight, var_list):
-    """Whether ``minimize`` folds ``weight`` into ``grad_loss`` (k > 1 windows only).
-
-    Backprop then carries the weight from the loss to every gradient for
-    free, where the sum would multiply each one on every micro-batch.
-
-    Not with statistics, which need each micro-batch's unweighted gradients,
-    nor under a loss-scale optimizer, whose overflow test would then see the
-    weighted gradients, nor for a callable loss, whose shape is not known yet,
-    nor where a cache is wider than its gradient (``accumulation_dtype``,
-    half-precision variables): the product is then taken in the cache's
-    dtype. Nor across processes (a reducer, or collective ops behind the
-    loss, as in worker-synchronised batch norm): there each worker's
-    backward pass mixes in the others', which carry their own weights, so
-    scaling it is not scaling the gradient.
-    """
-    if weight is None or accumulator._size.k == 1 or accumulator._use_statistics or callable(loss):
-        return False
-    dtype = tf.convert_to_tensor(loss).dtype.base_dtype
-    variables = tf.compat.v1.trainable_variables() if var_list is None else var_list
-    return (dtype in _ACCUMULATION_DTYPES and accumulator._accumulation_dtype in (None, dtype)
-            and all(v.dtype.base_dtype == dtype for v in variables)
-            and not accumulator._loss_scaled and accumulator._reducer is None
-            and not _crosses_processes(loss))
 
 
 def _window_size(num_micro_batches):

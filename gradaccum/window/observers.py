@@ -80,6 +80,13 @@ class WindowObserver(object):
     """True when the observer reads the window's noise-scale statistics
     (``gradaccum.statistics``): the accumulator then keeps them."""
 
+    reads_gradients = True
+    """True when :meth:`added` reads the micro-batch's gradients: they are
+    then each micro-batch's own, unweighted (as :data:`MicroBatch` says). An
+    observer that reads only the weight, or nothing, says False, so that the
+    fused train op may fold the weight into backprop, one pass fewer over
+    the gradients per micro-batch."""
+
     @property
     def variables(self):
         """The observer's own state variables (none here)."""

@@ -168,6 +168,8 @@ class Window(object):
       variables: the trained variables, in the order of ``accumulators``.
       observers: the window's observers: the accumulator's first (statistics,
         a policy, those given), then window batch-norm statistics.
+      no_state: ``None``, or why this window keeps no state between runs
+        (the one-run form), said when a missing field is read.
 
     Example:
       >>> window = opt.windows[-1]
@@ -175,8 +177,9 @@ class Window(object):
       ...     sess.run(window.train_op, next_feed())
     """
 
-    def __init__(self, train_op, variables, state=None, manual=(None, None, None), size=None):
+    def __init__(self, train_op, variables, state=None, manual=(None, None, None), size=None, no_state=None):
         self.train_op = train_op
+        self.no_state = no_state  # Why a missing field is missing, when that is not k = 1.
         self.variables = list(variables)
         self.accumulate_op, self.zero_op, self._build_apply = manual
         state = state or _State([], None, None, None, None, None, [], 0)

@@ -12,6 +12,8 @@ micro-step, ``applied`` once an applied window's update is done, ``reset``
 on skipped windows and in ``zero_op``). This module creates no variables; the collection is
 filled by the layers, not here.
 """
+import warnings
+
 from gradaccum._compat import tf
 
 WINDOW_STATISTICS = "gradaccum_window_statistics"
@@ -47,3 +49,65 @@ def split_update_ops(update_ops, graph=None):
 
 def _as_op(op_or_tensor):
     return getattr(op_or_tensor, "op", op_or_tensor)
+
+
+FIRST = "first"
+"""``update_ops="first"``: the update ops of the model's first tower (of the one model, without towers)."""
+ALL = "all"
+"""``update_ops="all"``: every tower's update ops (the same as ``"first"`` without towers)."""
+
+
+def chosen_update_ops(update_ops, caller, none_means):
+    """Checks an ``update_ops`` argument; one meaning wherever gradaccum takes it.
+
+    ``"first"`` and ``"all"`` are returned as given (a form with towers
+    chooses among its towers' ops; without towers both are the model's
+    ``UPDATE_OPS``); a list or tuple of ops is returned as a list (``[]``:
+    none). ``None`` is deprecated: it meant every ``UPDATE_OPS`` op in
+    ``GradientAccumulator.minimize`` and none elsewhere, which it still
+    does, with a ``FutureWarning``.
+
+    Args:
+      update_ops: the argument as given.
+      caller: the function's name, for the messages.
+      none_means: what ``None`` still means there: ``"all"`` or ``"none"``.
+
+    Returns:
+      ``"first"``, ``"all"`` or a list of ops.
+
+    Raises:
+      ValueError: for any other value, naming it.
+
+    Example:
+      >>> chosen_update_ops("first", "tower.minimize", none_means="none")
+      'first'
+    """
+    if update_ops is None:
+        warnings.warn("%s(update_ops=None) is deprecated: it runs %s; say update_ops=[] (none), 'first' or "
+                      "'all' (every UPDATE_OPS op the model built), which mean the same in minimize, "
+                      "apply_gradients, tower.minimize and subdivisions.minimize"
+                      % (caller, "every UPDATE_OPS op" if none_means == ALL else "no update ops"),
+                      FutureWarning, stacklevel=3)
+        return ALL if none_means == ALL else []
+    if isinstance(update_ops, str) and update_ops in (FIRST, ALL):
+        return update_ops
+    if isinstance(update_ops, (list, tuple)):
+        return list(update_ops)
+    raise ValueError("`update_ops` must be 'first', 'all' or a list of ops ([]: none), got %r" % (update_ops,))
+
+
+def graph_update_ops(update_ops):
+    """``update_ops`` as a list of ops for one model: ``"first"`` and ``"all"`` are ``UPDATE_OPS`` now.
+
+    Args:
+      update_ops: a value returned by :func:`chosen_update_ops`.
+
+    Returns:
+      A list of ops.
+
+    Example:
+      >>> train_op = opt.apply_gradients(pairs, update_ops=graph_update_ops("first"))
+    """
+    if isinstance(update_ops, str):
+        return tf.compat.v1.get_collection(tf.compat.v1.GraphKeys.UPDATE_OPS)
+    return update_ops
