@@ -221,7 +221,7 @@ def test_a_reducer_exchanges_once_per_run_after_the_loop():
 def test_model_fn_may_give_the_weight():
     """A weight from ``model_fn`` (here twice the size) weighs the micro-batches; equal weights cancel."""
     def weighted_model(x, ids, y):
-        return _model(x, ids, y), 2 * tf.shape(y)[0]
+        return gradaccum.ModelResult(_model(x, ids, y), weight=2 * tf.shape(y)[0])
 
     batches = _batches()
     expected, _ = _plain(OPTIMIZERS["adam"], batches)

@@ -41,7 +41,7 @@ class ModelResult(collections.namedtuple("ModelResult", ["loss", "weight", "outp
 _PAIR = {"weight": "(loss, weight)", "outputs": "(loss, outputs)"}
 
 
-def read_result(returned, pair_means, index):
+def read_result(returned, pair_means, index, warn=True):
     """``model_fn``'s result as a :class:`ModelResult`, its loss checked.
 
     A plain loss tensor is ``ModelResult(loss)``. A pair is deprecated
@@ -52,6 +52,7 @@ def read_result(returned, pair_means, index):
       returned: what ``model_fn`` returned.
       pair_means: ``"outputs"`` or ``"weight"``: what a pair's second item is.
       index: the tower's index, for the messages.
+      warn: whether a pair warns (once per build: the first tower's first call).
 
     Returns:
       A :class:`ModelResult` whose ``loss`` passed :func:`check_loss`.
@@ -64,9 +65,10 @@ def read_result(returned, pair_means, index):
     """
     if isinstance(returned, (list, tuple)) and not isinstance(returned, ModelResult) and len(returned) == 2 \
             and isinstance(returned[0], tf.Tensor):
-        warnings.warn("`model_fn` returned a pair, read as %s here; the two forms read a pair differently, so "
-                      "return gradaccum.ModelResult(loss, %s=...) instead (a pair is deprecated)"
-                      % (_PAIR[pair_means], pair_means), FutureWarning, stacklevel=4)
+        if warn:
+            warnings.warn("`model_fn` returned a pair, read as %s here; the two forms read a pair differently, so "
+                          "return gradaccum.ModelResult(loss, %s=...) instead (a pair is deprecated)"
+                          % (_PAIR[pair_means], pair_means), FutureWarning, stacklevel=4)
         returned = ModelResult(returned[0], **{pair_means: returned[1]})
     if not isinstance(returned, ModelResult):
         returned = ModelResult(returned)
@@ -135,3 +137,30 @@ def tower_scope(scope, device, reuse, variable_scope=None):
     with tf.compat.v1.variable_scope(variable_scope, reuse=reuse, auxiliary_name_scope=False), \
             tf.compat.v1.device(device), tf.compat.v1.name_scope(scope) as name:
         yield name
+
+
+def checked_var_list(var_list):
+    """Checks a form's ``var_list``: ``None``, a list of variables, or a callable returning one.
+
+    A callable is called once the first tower's model exists, so that it can
+    name variables that ``model_fn`` creates (GPT-2's "only the transformer
+    layers").
+
+    Args:
+      var_list: the argument as given.
+
+    Returns:
+      ``var_list``, checked (a callable as given).
+
+    Raises:
+      TypeError: for anything else.
+
+    Example:
+      >>> checked_var_list(lambda: [v for v in tf.compat.v1.trainable_variables() if "/h" in v.name])
+    """
+    return var_list if callable(var_list) else _validate.check_var_list(var_list)
+
+
+def resolved_var_list(var_list):
+    """``var_list`` (from :func:`checked_var_list`) as ``None`` or a list of variables: a callable is called."""
+    return _validate.check_var_list(var_list()) if callable(var_list) else var_list

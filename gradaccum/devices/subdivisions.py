@@ -39,7 +39,7 @@ import warnings
 from gradaccum import _validate
 from gradaccum._compat import tf, v1_control_flow, visible_gpus
 from gradaccum.devices import splitting
-from gradaccum.devices.model import check_model_fn, read_result, tower_scope
+from gradaccum.devices.model import check_model_fn, checked_var_list, read_result, resolved_var_list, tower_scope
 from gradaccum.devices.placement import device_function, placement as checked_placement
 from gradaccum.window import pipeline
 from gradaccum.window.accumulator import GradientAccumulator, weighted_grad_loss
@@ -85,7 +85,8 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, var_list=None, de
         into micro-batches whose sizes differ by at most one; or a callable
         without arguments returning one micro-batch, called k times per run.
       global_step: optional variable, incremented once per applied update.
-      var_list: optional list of the variables to train (default: the trainable ones).
+      var_list: optional list of the variables to train (default: the trainable ones),
+        or a callable returning it once ``model_fn`` has built them.
       devices: one device string per tower, as in ``tower.minimize``
         (``None``: every visible GPU, else the CPU): each tower loops over
         its shard's k micro-batches (a callable input: over its own pulls).
@@ -110,7 +111,7 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, var_list=None, de
       >>> sess.run(result.train_op, {images: batch_x, labels: batch_y})  # one update
     """
     update_ops = _check_arguments(optimizer, model_fn, update_ops, name)
-    var_list = _validate.check_var_list(var_list)
+    var_list = checked_var_list(var_list)
     builder = optimizer.builder
     builder.check_global_step(global_step)
     placements = _placements(devices, variables_device)
@@ -141,7 +142,13 @@ def _looped_window(config, step, towers, k, outer_scope):
     with tf.compat.v1.name_scope(config.name) as window_scope:
         state = pipeline.summed_state(config, pairs, step)
     dtypes = pipeline.sum_dtypes(config, pairs)
-    looped = [tower.loop(k, state, dtypes) for tower in towers]
+    looped, previous = [], []
+    for tower in towers:
+        looped.append(tower.loop(k, state, dtypes, previous))
+        if tower.first.stats:
+            # The towers' window batch-norm statistics fold into one window by read-modify-write:
+            # concurrent loops would race on it, so each such tower's loop waits for the one before.
+            previous = [looped[-1][2]]
     with tf.compat.v1.name_scope(window_scope):
         loss_sum, sums, total = _combined(looped)
         with tf.control_dependencies([total]):
@@ -183,13 +190,13 @@ class _Tower(object):
             self.first = _micro_batch(self._model, self._source(0), keep=True, var_list=self._model.var_list)
         return self.first
 
-    def loop(self, k, state, dtypes):
+    def loop(self, k, state, dtypes, previous):
         """The tower's ``(loss sum, sums, total)`` over its k micro-batches."""
         if self.first is None:
             self.build_first()
         self._reuse = True  # The loop's micro-batches reuse the first one's variables.
         with self._building():
-            return _summed_loop(self._model, self._source, k, self.first, state, dtypes)
+            return _summed_loop(self._model, self._source, k, self.first, state, dtypes, previous)
 
 
 # A later tower under "first": its window batch-norm statistics, none of its plain update ops.
@@ -346,7 +353,8 @@ def _micro_batch(model, source, keep, var_list=None, optimizer=None):
     graph = tf.compat.v1.get_default_graph()
     updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
     before = len(updates)
-    result = read_result(model.model_fn(*tensors), "weight", model.tower)
+    result = read_result(model.model_fn(*tensors), "weight", model.tower, warn=keep and not model.tower)
+    var_list = resolved_var_list(var_list)
     if result.outputs is not None:
         raise ValueError("`model_fn` returned outputs in tower %d: subdivisions.minimize does not collect "
                          "per-example outputs; compute them with a separate forward pass, or use "
@@ -372,7 +380,7 @@ def _micro_batch(model, source, keep, var_list=None, optimizer=None):
 # ------------------------------------------------------------------ the loop
 
 
-def _summed_loop(model, source, k, first, state, dtypes):
+def _summed_loop(model, source, k, first, state, dtypes, previous):
     """``(sum_i w_i loss_i, [(sum_i w_i g_i, var)], sum_i w_i)`` over micro-batches 0..k-1.
 
     Micro-batch 0 (``first``) starts the sums; micro-batches 1..k-1 are added
@@ -382,7 +390,8 @@ def _summed_loop(model, source, k, first, state, dtypes):
     """
     variables = [var for _, var in first.pairs]
     grad_dtypes, sum_dtype = dtypes
-    observed = _observed(state, first)
+    with tf.control_dependencies(previous):  # A previous tower's loop, where window statistics are shared.
+        observed = _observed(state, first)
     with tf.control_dependencies(first.to_run + observed):
         start = [_weighted_loss(first, sum_dtype), tf.cast(first.weight, sum_dtype)]
         start += _start_sums(first, grad_dtypes)

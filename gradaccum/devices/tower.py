@@ -55,7 +55,7 @@ from gradaccum.window.gradients import normalized
 from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.window.accumulator import GradientAccumulator
 from gradaccum.window.update_ops import FIRST, chosen_update_ops
-from gradaccum.devices.model import check_model_fn, read_result, tower_scope
+from gradaccum.devices.model import check_model_fn, checked_var_list, read_result, resolved_var_list, tower_scope
 from gradaccum.devices.placement import device_function, placement as checked_placement
 
 
@@ -120,7 +120,8 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None, var
         returning one of those, called once per tower, in tower order.
       devices: device strings, one tower each (``None``: every GPU, else ``["/cpu:0"]``).
       global_step: optional variable, incremented once per applied update.
-      var_list: optional list of the variables to train (default: the trainable ones).
+      var_list: optional list of the variables to train (default: the trainable ones),
+        or a callable returning it once ``model_fn`` has built them.
       variables_device: device of the shared variables (``None``: the first tower's).
       update_ops: ``"first"`` runs the ``UPDATE_OPS`` the first tower created,
         ``"all"`` every tower's (every tower then needs an example), a list
@@ -144,7 +145,7 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None, var
       >>> sess.run([result.train_op, result.loss])
     """
     placement, update_ops = _check_arguments(optimizer, model_fn, devices, variables_device, update_ops, name)
-    var_list = _validate.check_var_list(var_list)
+    var_list = checked_var_list(var_list)
     with tf.compat.v1.name_scope(name) as scope:
         batches = splitting.tower_batches(inputs, len(placement.devices), update_ops == "all")
     plan = _plan(name, placement, batches, guard=update_ops != "all")
@@ -291,7 +292,7 @@ def _run_model(optimizer, model_fn, shard, tower, var_list):
     structure in ``returned["outputs"]``, the others must match it.
     """
     index, returned = tower
-    result = read_result(model_fn(*shard), "outputs", index)
+    result = read_result(model_fn(*shard), "outputs", index, warn=not index)
     if result.weight is not None:
         raise ValueError("`model_fn` returned a weight in tower %d: tower.minimize weighs each tower by its "
                          "example count; a weight per micro-batch is subdivisions.minimize's, or "
@@ -302,7 +303,7 @@ def _run_model(optimizer, model_fn, shard, tower, var_list):
     if len(flat) != len(_check_outputs(returned["outputs"], 0)):
         raise ValueError("`model_fn` must return the same outputs in every tower, got %s in tower %d and %s "
                          "in tower 0" % (_validate.describe(outputs), index, _validate.describe(returned["outputs"])))
-    return loss, optimizer.compute_gradients(loss, var_list=var_list), flat
+    return loss, optimizer.compute_gradients(loss, var_list=resolved_var_list(var_list)), flat
 
 
 def _check_outputs(outputs, index):
