@@ -156,7 +156,7 @@ def _split(tensors, count, min_batch):
         if batch_size < min_batch:
             raise ValueError("%s, got a batch of %d" % (_too_small(min_batch), batch_size))
         # The first towers take the remainder, so tower 0 is never empty.
-        sizes = [batch_size // count + (1 if i < batch_size % count else 0) for i in range(count)]
+        sizes = [part(batch_size, count, i)[1] for i in range(count)]
         split_sizes = sizes
     else:
         batch_size = tf.identity(_dynamic_leading(tensors[0]), name="batch_size")
@@ -170,6 +170,31 @@ def _split(tensors, count, min_batch):
     tensors = checked(tensors, batch_size, checks)
     per_input = [_split_one(t, split_sizes, sizes, count) for t in tensors]
     return Batches(batch_size, sizes, [list(shards) for shards in zip(*per_input)])
+
+
+def part(n, parts, index):
+    """``(start, size)`` of part ``index`` of ``n`` examples cut into ``parts`` that differ by at most one.
+
+    The first ``n % parts`` parts take one example more, so part 0 is empty
+    only when ``n`` is. Python ints give ints; a tensor ``n`` or ``index``
+    gives int32 scalar tensors.
+
+    Args:
+      n: the number of examples, an int or an int32 scalar tensor.
+      parts: the number of parts, an int or an int32 scalar tensor.
+      index: the part's index, an int or an int32 scalar tensor.
+
+    Returns:
+      ``(start, size)``.
+
+    Example:
+      >>> [part(23, 4, i) for i in range(4)]
+      [(0, 6), (6, 6), (12, 6), (18, 5)]
+    """
+    base, extra = n // parts, n % parts
+    if all(isinstance(value, int) for value in (n, parts, index)):
+        return index * base + min(index, extra), base + (1 if index < extra else 0)
+    return index * base + tf.minimum(index, extra), base + tf.cast(index < extra, tf.int32)
 
 
 def _split_one(tensor, split_sizes, sizes, count):

@@ -283,23 +283,14 @@ def _input_sources(inputs, k, towers):
     tensors, n = _checked_batch(_dense(inputs, "inputs"), k * towers if k_static is None else int(k_static) * towers)
 
     def source_for(tower_index):
-        shard_start, shard_size = _part(n, towers, tower_index)
+        shard_start, shard_size = splitting.part(n, towers, tower_index)
 
         def source(i):
-            start, size = _part(shard_size, k, i)
+            start, size = splitting.part(shard_size, k, i)
             start += shard_start
             return [tensor[start:start + size] for tensor in tensors], size
         return source
     return [source_for(index) for index in range(towers)]
-
-
-def _part(n, parts, index):
-    """``(start, size)`` of part ``index`` of ``n`` examples cut into ``parts`` that differ by at most one.
-
-    The first ``n % parts`` parts take one example more.
-    """
-    base, extra = n // parts, n % parts
-    return index * base + tf.minimum(index, extra), base + tf.cast(index < extra, tf.int32)
 
 
 def _pulled(inputs):
