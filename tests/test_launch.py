@@ -25,7 +25,32 @@ pytestmark = pytest.mark.timeout(60)
 
 # Each task prints its TF_CONFIG task and then behaves as argv[1] says.
 _TASK = textwrap.dedent("""
-    import json, os, subprocess, sys, time
+    import json, os, random, signal, socket, subprocess, sys, time
+
+    def chief_killed(chief, workers):
+        # The chief accepts every other worker, then is SIGKILLed at a random
+        # moment of the launcher's poll; each other worker sees its connection
+        # end and exits 1 about 30 ms later (a collective's UnavailableError).
+        host, port = workers[0].rsplit(":", 1)
+        address = (host, int(port))
+        if chief:
+            server = socket.socket()
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(address)
+            server.listen(len(workers))
+            peers = [server.accept()[0] for _ in workers[1:]]
+            time.sleep(random.uniform(0.0, 0.1))
+            os.kill(os.getpid(), signal.SIGKILL)
+        for _ in range(500):
+            try:
+                peer = socket.create_connection(address)
+                break
+            except OSError:
+                time.sleep(0.01)
+        peer.recv(1)
+        time.sleep(0.03)
+        sys.exit(1)
+
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = "%s:%d" % (task["type"], task["index"])
     chief = name == "worker:0"
@@ -58,6 +83,8 @@ _TASK = textwrap.dedent("""
             print(line)
         print("real output")
         sys.stdout.flush()
+    if mode == "chief_killed":
+        chief_killed(chief, json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
     if mode == "grandchild":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print("grandchild", child.pid)
@@ -450,3 +477,36 @@ def test_the_launcher_warns_once_about_open_ports_unless_silenced(flags):
         assert warnings == ["gradaccum.launch: " + launch.port_warning(
             {"worker": ["127.0.0.1:%s" % port for port in ports]}, interfaces)]
         assert done.stderr.index("warning:") < done.stderr.index("started worker:0")
+
+
+def test_a_killed_chief_is_named_as_the_cause_not_the_workers_that_fail_after_it(tmp_path):
+    # 20 kills: 19 restarts, then the launcher gives up. Each other worker
+    # exits 1 about 30 ms after the chief dies, inside the launcher's poll.
+    start = time.time()
+    status, _, err = _run(["--workers", "3", "--max-restarts", "19", "--grace", "1"], "chief_killed", tmp_path)
+    seconds = time.time() - start
+    said = [line for line in err.splitlines() if "restart" in line or "giving up" in line]
+    blamed = [re.search(r"(?:: |giving up: )(\S+) died with", line).group(1) for line in said]
+    print("\n%d of %d chief kills blamed on the chief, in %.1f s" % (blamed.count("worker:0"), len(said), seconds))
+    assert blamed == ["worker:0"] * 20, "\n".join(said)
+    assert said == ["gradaccum.launch: restart %d of 19: worker:0 died with signal 9 (SIGKILL); restarting 3 "
+                    "workers from the newest checkpoint" % number for number in range(1, 20)] + [
+        "gradaccum.launch: giving up: worker:0 died with signal 9 (SIGKILL) after 19 restarts"]
+    stopping = [line for line in err.splitlines() if line.endswith("; stopping the other tasks")]
+    assert len(stopping) == 20 and all(line.startswith("gradaccum.launch: chief worker:0 (pid ") for line in stopping)
+    assert status == 137  # As a shell reports the chief's SIGKILL.
+    _assert_all_gone(_started_pids(err))
+
+
+@pytest.mark.parametrize("failures, first", [
+    ([("worker:1", 1, 10.034), ("worker:0", -9, 10.0), ("worker:2", 1, 10.041)], ["worker:0", "worker:1", "worker:2"]),
+    ([("worker:2", 1, 10.041), ("worker:1", 1, 10.0), ("worker:0", -9, 10.03)], ["worker:0", "worker:1", "worker:2"]),
+    ([("worker:1", 1, 10.0), ("worker:0", -9, 10.5)], ["worker:1", "worker:0"]),  # A later kill is not the cause.
+    ([("worker:2", 3, 10.05), ("worker:1", 7, 10.0)], ["worker:1", "worker:2"]),
+    ([("ps:0", -15, 10.08), ("worker:0", -9, 10.02), ("worker:1", 1, 10.0)], ["worker:0", "worker:1", "ps:0"]),
+    ([("worker:1", 1, 10.0)], ["worker:1"]),
+])
+def test_tasks_that_ended_in_one_poll_are_ordered_by_their_end_and_a_signalled_one_first(failures, first):
+    ordered = launch.root_cause_first(failures)
+    assert [name for name, _, _ in ordered] == first
+    assert sorted(ordered) == sorted(failures)
