@@ -26,8 +26,10 @@ number of workers, or with ``--min-workers M`` one worker fewer each time a
 task dies, never below M. The tasks resume from their last checkpoint (see
 ``gradaccum.membership``); one line per restart names the task that failed first,
 its status, the number of workers now and, with ``--checkpoint-dir``, the
-global step of the newest checkpoint there. After N restarts it gives up
-with the status above. Each task runs in its own process
+global step of the newest checkpoint there. After a failure, with
+``--checkpoint-dir``, it removes the temporary files of saves the failure
+interrupted there (see :func:`remove_save_temporaries`), and nothing else.
+After N restarts it gives up with the status above. Each task runs in its own process
 group, which is killed on every way out (normal exit, signal, exception, and
 via ``atexit``), and the launcher returns only once every process of those
 groups has ended (a task's own children included); on Linux a task also gets
@@ -72,6 +74,15 @@ _NOISE = re.compile(
     rb"|WARNING:(?:tensorflow|absl):"
     rb"|\S+\.py:\d+: (?:User|Deprecation|Future)Warning: .*deprecat)", re.IGNORECASE)
 _POLL_SECONDS = 0.1
+# Temporary files of a TensorFlow save, renamed when the save completes and left
+# behind when it is killed: the bundle writer's data and index files
+# (`model.ckpt-3.index.tempstate8231...`, TF 1.15 to 2.x), and the atomic writes
+# of the `checkpoint` state file and of the meta graph (`checkpoint.tmp<32 hex>`).
+_SAVE_TEMPORARY = re.compile(r"\.tempstate\d+$|^(?:checkpoint|.+\.meta)\.tmp[0-9a-f]{32}$")
+# A sharded save (Saver(sharded=True), as MonitoredTrainingSession's) writes its
+# parts into `<prefix>_temp/` (TF 2.x; `<prefix>_temp_<32 hex>/` in TF 1.15).
+_SHARDED_TEMP_DIR = re.compile(r".+_temp(?:_[0-9a-f]{32})?$")
+_SHARDED_PART = re.compile(r"part-\d+-of-\d+\.(?:index|data-\d+-of-\d+)(?:\.tempstate\d+)?$")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -178,6 +189,57 @@ def newest_checkpoint_step(checkpoint_dir):
         if len(held) == count:
             candidates.update(set.intersection(*held))
     return max(candidates) if candidates else None
+
+
+def _sharded_temp_dir(path):
+    """True when ``path`` is a directory that holds only the parts of a sharded save."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return bool(names) and all(_SHARDED_PART.match(name) and os.path.isfile(os.path.join(path, name))
+                               for name in names)
+
+
+def remove_save_temporaries(checkpoint_dir):
+    """Removes the temporary files that interrupted TensorFlow saves left.
+
+    Only a save's temporaries go, in ``checkpoint_dir`` and its subdirectories
+    (shards): ``*.tempstate<digits>``, ``checkpoint.tmp<32 hex>``,
+    ``*.meta.tmp<32 hex>``, and ``<prefix>_temp/`` directories that hold
+    nothing but parts of a sharded save. Call it only when no task runs: a
+    save in progress owns such files. A file that cannot be removed stays.
+
+    Args:
+      checkpoint_dir: the job's checkpoint directory (it need not exist).
+
+    Returns:
+      The sorted paths removed.
+
+    Example:
+      >>> remove_save_temporaries("/ckpt")
+      ['/ckpt/model.ckpt-9.data-00000-of-00001.tempstate4878854028441751831']
+    """
+    removed = []
+    for folder, dirs, files in os.walk(checkpoint_dir):
+        temp_dirs = [name for name in dirs
+                     if _SHARDED_TEMP_DIR.match(name) and _sharded_temp_dir(os.path.join(folder, name))]
+        dirs[:] = [name for name in dirs if name not in temp_dirs]  # Removed whole below, not walked into.
+        paths = [os.path.join(folder, name) for name in files if _SAVE_TEMPORARY.search(name)]
+        for name in temp_dirs:
+            paths += [os.path.join(folder, name, part) for part in sorted(os.listdir(os.path.join(folder, name)))]
+            paths.append(os.path.join(folder, name))  # After its files.
+        removed += [path for path in paths if _removed(path)]
+    return sorted(removed)
+
+
+def _removed(path):
+    """Removes a file or an empty directory; False when it cannot (gone meanwhile, not ours): the job resumes anyway."""
+    try:
+        (os.rmdir if os.path.isdir(path) else os.remove)(path)
+    except OSError:
+        return False
+    return True
 
 
 def tf_config_for(cluster, job, index):
@@ -632,6 +694,8 @@ class Launcher(object):
                 status = self.supervise()
                 if self.died is None or self.received is not None or self.max_restarts is None:
                     return status
+                if self.checkpoint_dir is not None:  # Every task has ended: no save is in progress.
+                    remove_save_temporaries(self.checkpoint_dir)
                 if self.restarts >= self.max_restarts:
                     self.say("giving up: %s died with %s after %d restart%s"
                              % (self.died[0].name, describe_status(self.died[1]), self.restarts,

@@ -510,3 +510,101 @@ def test_tasks_that_ended_in_one_poll_are_ordered_by_their_end_and_a_signalled_o
     ordered = launch.root_cause_first(failures)
     assert [name for name, _, _ in ordered] == first
     assert sorted(ordered) == sorted(failures)
+
+
+# What interrupted saves leave (as TF 1.15 to 2.21 name them), and what stays.
+_HEX = "fe0e5cb880384518919dbdd6cdb3e267"
+_DEBRIS = ["model.ckpt-4.data-00000-of-00001.tempstate4878854028441751831", "model.ckpt-4.index.tempstate12",
+           "checkpoint.tmp" + _HEX, "model.ckpt-4.meta.tmp" + _HEX,
+           "model.ckpt-5_temp/part-00000-of-00002.index", "model.ckpt-5_temp/part-00001-of-00002.data-00000-of-00001"
+           ".tempstate1042768425798761765", "model.ckpt-6_temp_%s/part-00000-of-00001.data-00000-of-00001" % _HEX,
+           "shard-0-of-2/model.ckpt-4.index.tempstate99"]
+_KEPT = ["checkpoint", "model.ckpt-3.data-00000-of-00001", "model.ckpt-3.index", "model.ckpt-3.meta",
+         "events.out.tfevents.1.host", "notes.tmp", "model.ckpt-3.index.bak", "tempstate", "data.tmp" + _HEX,
+         "eval_temp/part-00000-of-00001.index", "eval_temp/results.txt", "shard-0-of-2/checkpoint",
+         "shard-0-of-2/model.ckpt-3.index"]
+
+
+def _make_files(root, names):
+    for name in names:
+        path = os.path.join(str(root), name)
+        if not os.path.isdir(os.path.dirname(path)):
+            os.makedirs(os.path.dirname(path))
+        open(path, "w").close()
+
+
+def _listing(root):
+    return sorted(os.path.relpath(os.path.join(folder, name), str(root))
+                  for folder, _, files in os.walk(str(root)) for name in files)
+
+
+def test_the_temporaries_of_interrupted_saves_are_removed_and_nothing_else(tmp_path):
+    _make_files(tmp_path, _DEBRIS + _KEPT)
+    removed = launch.remove_save_temporaries(str(tmp_path))
+    assert _listing(tmp_path) == sorted(_KEPT)
+    assert sorted(os.path.relpath(path, str(tmp_path)) for path in removed) == sorted(
+        _DEBRIS + ["model.ckpt-5_temp", "model.ckpt-6_temp_" + _HEX])
+    assert launch.remove_save_temporaries(str(tmp_path / "missing")) == []
+
+
+def test_a_restart_removes_the_temporaries_of_saves_the_failure_interrupted(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _make_files(ckpt, _DEBRIS + _KEPT)
+    (ckpt / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-3"\n')
+    args = ["--workers", "1", "--max-restarts", "1", "--grace", "1", "--checkpoint-dir", str(ckpt)]
+    status, _, err = _run(args, "last_worker_dies_once", tmp_path)
+    assert status == 0, err
+    assert "restart 1 of 1: worker:0 died with signal 9 (SIGKILL); restarting 1 worker from global step 3" in err
+    assert _listing(ckpt) == sorted(_KEPT)
+
+
+# The chief saves with TensorFlow and is SIGKILLed inside saver.save, while the
+# save's temporary files exist; restarted, it lists the checkpoint directory.
+_SAVE_TASK = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    ckpt = sys.argv[1]
+    marker = os.path.join(os.path.dirname(ckpt), "killed")
+    if os.path.exists(marker):
+        print("restarted with", " ".join(sorted(os.listdir(ckpt))))
+        sys.exit(0)
+    import tensorflow as tf
+
+    def kill_inside_the_save():
+        while True:
+            names = [name for name in os.listdir(ckpt) if ".tempstate" in name]
+            if names:
+                print("killed while", " ".join(names), "existed", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.0002)
+
+    with tf.Graph().as_default():
+        tf.compat.v1.get_variable("weights", initializer=tf.zeros([4000000]))
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            saver.save(sess, os.path.join(ckpt, "model.ckpt"), global_step=1)
+            open(marker, "w").close()
+            threading.Thread(target=kill_inside_the_save, daemon=True).start()
+            for step in range(2, 200):
+                saver.save(sess, os.path.join(ckpt, "model.ckpt"), global_step=step)
+    print("never killed")
+""")
+
+
+@pytest.mark.distributed
+def test_a_chief_killed_inside_saver_save_restarts_with_no_temporary_files_left(tmp_path):
+    ckpt, script = tmp_path / "ckpt", tmp_path / "save_task.py"
+    ckpt.mkdir()
+    script.write_text(_SAVE_TASK)
+    out, err = io.BytesIO(), io.StringIO()
+    status = launch.main(["--workers", "1", "--max-restarts", "1", "--checkpoint-dir", str(ckpt), "--",
+                          sys.executable, str(script), str(ckpt)], stdout=out, stderr=err)
+    out, err = out.getvalue().decode(), err.getvalue()
+    assert status == 0, out[-2000:] + err
+    assert "restart 1 of 1: worker:0 died with signal 9 (SIGKILL); restarting 1 worker from global step 1" in err
+    interrupted = re.search(r"^\[worker:0\] killed while (.*) existed$", out, re.M).group(1).split()
+    listed = re.search(r"^\[worker:0\] restarted with (.*)$", out, re.M).group(1).split()
+    assert interrupted and not set(interrupted) & set(listed)
+    assert not [name for name in listed if ".tempstate" in name or ".tmp" in name], listed
+    assert {"checkpoint", "model.ckpt-1.index", "model.ckpt-1.data-00000-of-00001"} <= set(listed)
+    _assert_all_gone(_started_pids(err))
