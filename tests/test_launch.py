@@ -40,7 +40,7 @@ _TASK = textwrap.dedent("""
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.bind(address)
             server.listen(len(workers))
-            peers = [server.accept()[0] for _ in workers[1:]]
+            peers = [server.accept()[0] for _ in workers[1:]]  # Held open until the kill.
             time.sleep(random.uniform(0.0, 0.1))
             os.kill(os.getpid(), signal.SIGKILL)
         for _ in range(500):
