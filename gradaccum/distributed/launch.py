@@ -12,16 +12,24 @@ log noise (C++ log lines, the absl notice, ``WARNING:tensorflow`` deprecation
 blocks, ``tf.compat.v1.layers`` deprecation warnings) is left out of that
 output unless ``--verbose`` (which also leaves ``TF_CPP_MIN_LOG_LEVEL``
 alone; otherwise the tasks get ``2`` unless it is set). It exits with the
-chief's exit status. When any task dies with a non-zero status it names that
-task and its status in one line and stops the others (SIGTERM, then SIGKILL
-after ``--grace`` seconds). With ``--max-restarts N`` the launcher then
+chief's exit status. When a task dies with a non-zero status it names, in one
+line, the task that failed first and its status (the others' collectives
+fail some milliseconds after a task dies: those echoes are not named), and
+stops the others (SIGTERM, then SIGKILL after ``--grace`` seconds); it then
+exits with the chief's status when the chief failed first (128 + N for a
+signal N, as a shell reports it: 137 for SIGKILL), else 1. Each task is
+reaped by a thread as it exits, so the order of the ends is known to the
+millisecond; a task killed by a signal counts as first when it ended within
+one poll (0.1 s) of the first. With ``--max-restarts N`` the launcher then
 restarts the whole job instead, on fresh ports, up to N times: with the same
 number of workers, or with ``--min-workers M`` one worker fewer each time a
 task dies, never below M. The tasks resume from their last checkpoint (see
-``gradaccum.membership``); one line per restart names the task that died,
+``gradaccum.membership``); one line per restart names the task that failed first,
 its status, the number of workers now and, with ``--checkpoint-dir``, the
-global step of the newest checkpoint there. After N restarts it gives up
-with the failure's status. Each task runs in its own process
+global step of the newest checkpoint there. After a failure, with
+``--checkpoint-dir``, it removes the temporary files of saves the failure
+interrupted there (see :func:`remove_save_temporaries`), and nothing else.
+After N restarts it gives up with the status above. Each task runs in its own process
 group, which is killed on every way out (normal exit, signal, exception, and
 via ``atexit``), and the launcher returns only once every process of those
 groups has ended (a task's own children included); on Linux a task also gets
@@ -66,6 +74,15 @@ _NOISE = re.compile(
     rb"|WARNING:(?:tensorflow|absl):"
     rb"|\S+\.py:\d+: (?:User|Deprecation|Future)Warning: .*deprecat)", re.IGNORECASE)
 _POLL_SECONDS = 0.1
+# Temporary files of a TensorFlow save, renamed when the save completes and left
+# behind when it is killed: the bundle writer's data and index files
+# (`model.ckpt-3.index.tempstate8231...`, TF 1.15 to 2.x), and the atomic writes
+# of the `checkpoint` state file and of the meta graph (`checkpoint.tmp<32 hex>`).
+_SAVE_TEMPORARY = re.compile(r"\.tempstate\d+$|^(?:checkpoint|.+\.meta)\.tmp[0-9a-f]{32}$")
+# A sharded save (Saver(sharded=True), as MonitoredTrainingSession's) writes its
+# parts into `<prefix>_temp/` (TF 2.x; `<prefix>_temp_<32 hex>/` in TF 1.15).
+_SHARDED_TEMP_DIR = re.compile(r".+_temp(?:_[0-9a-f]{32})?$")
+_SHARDED_PART = re.compile(r"part-\d+-of-\d+\.(?:index|data-\d+-of-\d+)(?:\.tempstate\d+)?$")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -172,6 +189,57 @@ def newest_checkpoint_step(checkpoint_dir):
         if len(held) == count:
             candidates.update(set.intersection(*held))
     return max(candidates) if candidates else None
+
+
+def _sharded_temp_dir(path):
+    """True when ``path`` is a directory that holds only the parts of a sharded save."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return bool(names) and all(_SHARDED_PART.match(name) and os.path.isfile(os.path.join(path, name))
+                               for name in names)
+
+
+def remove_save_temporaries(checkpoint_dir):
+    """Removes the temporary files that interrupted TensorFlow saves left.
+
+    Only a save's temporaries go, in ``checkpoint_dir`` and its subdirectories
+    (shards): ``*.tempstate<digits>``, ``checkpoint.tmp<32 hex>``,
+    ``*.meta.tmp<32 hex>``, and ``<prefix>_temp/`` directories that hold
+    nothing but parts of a sharded save. Call it only when no task runs: a
+    save in progress owns such files. A file that cannot be removed stays.
+
+    Args:
+      checkpoint_dir: the job's checkpoint directory (it need not exist).
+
+    Returns:
+      The sorted paths removed.
+
+    Example:
+      >>> remove_save_temporaries("/ckpt")
+      ['/ckpt/model.ckpt-9.data-00000-of-00001.tempstate4878854028441751831']
+    """
+    removed = []
+    for folder, dirs, files in os.walk(checkpoint_dir):
+        temp_dirs = [name for name in dirs
+                     if _SHARDED_TEMP_DIR.match(name) and _sharded_temp_dir(os.path.join(folder, name))]
+        dirs[:] = [name for name in dirs if name not in temp_dirs]  # Removed whole below, not walked into.
+        paths = [os.path.join(folder, name) for name in files if _SAVE_TEMPORARY.search(name)]
+        for name in temp_dirs:
+            paths += [os.path.join(folder, name, part) for part in sorted(os.listdir(os.path.join(folder, name)))]
+            paths.append(os.path.join(folder, name))  # After its files.
+        removed += [path for path in paths if _removed(path)]
+    return sorted(removed)
+
+
+def _removed(path):
+    """Removes a file or an empty directory; False when it cannot (gone meanwhile, not ours): the job resumes anyway."""
+    try:
+        (os.rmdir if os.path.isdir(path) else os.remove)(path)
+    except OSError:
+        return False
+    return True
 
 
 def tf_config_for(cluster, job, index):
@@ -286,6 +354,37 @@ def shell_status(returncode):
       137
     """
     return 128 - returncode if returncode < 0 else min(returncode, 255)
+
+
+def root_cause_first(failures, window=_POLL_SECONDS):
+    """Orders failed tasks so that the one that failed first, the root cause, leads.
+
+    The others usually failed because of it: when a task dies, the others'
+    collectives fail some milliseconds later and they exit with an error. So
+    the order is the order of their ends, except that a task killed by a
+    signal goes first when it ended within ``window`` seconds of the first
+    (the times are taken by threads that wake up a little late, and a signal
+    comes from outside the job, never as an echo of a failed peer).
+
+    Args:
+      failures: ``(task, returncode, ended_at)`` tuples: any task object, its
+        ``Popen.returncode`` (negative: killed by that signal) and the
+        ``time.monotonic()`` at which it ended.
+      window: seconds, >= 0.
+
+    Returns:
+      The same tuples, the root cause first.
+
+    Example:
+      >>> root_cause_first([("worker:1", 1, 10.034), ("worker:0", -9, 10.0)])[0]
+      ('worker:0', -9, 10.0)
+    """
+    ordered = sorted(failures, key=lambda failure: failure[2])
+    signalled = [failure for failure in ordered if failure[1] < 0 and failure[2] - ordered[0][2] <= window]
+    if signalled:
+        ordered.remove(signalled[0])
+        ordered.insert(0, signalled[0])
+    return ordered
 
 
 class NoiseFilter(object):
@@ -409,7 +508,7 @@ def _wait_until(done, seconds):
 
 
 class _Task(object):
-    """One started process, its name and its output pump."""
+    """One started process, its name, its output pump and the time it ended."""
 
     def __init__(self, name, command, env):
         self.name = name
@@ -417,6 +516,23 @@ class _Task(object):
             command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_die_with_parent if _PRCTL is not None else None)
         self.pump = None
+        self.ended_at = None  # time.monotonic() when the waiter reaped the process.
+
+    def start_waiter(self):
+        """Reaps the process in a thread as soon as it exits, and records when.
+
+        A poll every 0.1 s cannot tell which of two tasks that ended 30 ms apart
+        ended first; a thread blocked in ``wait`` for each task can. It waits
+        for this pid only, so other children of the launcher's process are
+        left alone (``Popen.poll`` meanwhile returns None, then the status).
+        """
+        def wait():
+            self.process.wait()
+            self.ended_at = time.monotonic()
+
+        waiter = threading.Thread(target=wait, name="wait-" + self.name)
+        waiter.daemon = True
+        waiter.start()
 
     def start_pump(self, sink, lock, quiet=True):
         keep = NoiseFilter() if quiet else None
@@ -474,7 +590,7 @@ class Launcher(object):
         self.cluster = build_cluster(workers, ps, host, pick_free_ports(workers + ps, host))
         self.max_restarts, self.min_workers, self.checkpoint_dir = max_restarts, min_workers, checkpoint_dir
         self.restarts = 0
-        self.died = None  # The (task, returncode) that ended the last attempt, if a task died.
+        self.died = None  # The (task, returncode) that ended the last attempt (the root cause), if a task died.
         self.grace_seconds = grace_seconds
         self.shutdown_seconds = shutdown_seconds
         self.stdout = stdout if stdout is not None else sys.stdout.buffer
@@ -500,6 +616,7 @@ class Launcher(object):
             self.say("started %s (pid %d) at %s" % (task.name, task.process.pid, self.cluster[job][index]))
         for task in self.tasks:
             task.start_pump(self.stdout, self._lock, quiet=not self.verbose)
+            task.start_waiter()
 
     def stop(self, tasks=None):
         """SIGTERM to every task's process group, SIGKILL after the grace period."""
@@ -513,11 +630,10 @@ class Launcher(object):
             if task.pump is not None:
                 task.pump.join(2.0)  # A grandchild may hold the pipe: bounded.
 
-    def _failed_task(self):
-        for task in self.tasks[1:]:
-            if task.process.poll() not in (None, 0):
-                return task
-        return None
+    def _failures(self):
+        """The tasks that ended with a non-zero status, as (task, returncode, ended_at), the root cause first."""
+        return root_cause_first([(task, task.process.returncode, task.ended_at) for task in self.tasks
+                                 if task.ended_at is not None and task.process.returncode != 0])
 
     def supervise(self):
         """Waits for the job to end; returns the launcher's exit status."""
@@ -527,26 +643,41 @@ class Launcher(object):
                 self.say("received %s; stopping all tasks" % signal.Signals(self.received).name)
                 self.stop()
                 return 128 + self.received
-            dead = self._failed_task()
-            if dead is not None:  # Checked first: a chief failing because of it is the echo.
-                chief_status = chief.process.poll()
-                self.say("%s (pid %d) died with %s; stopping the other tasks"
-                         % (dead.name, dead.process.pid, describe_status(dead.process.returncode)))
-                self.died = (dead, dead.process.returncode)
-                self.stop()
-                return shell_status(chief_status) if chief_status else 1
-            if chief.ended():
+            failures = self._failures()
+            if failures:  # Before the chief's normal end: a task that failed meanwhile is a failure of the job.
+                return self._fail(failures)
+            if chief.ended_at is not None:
                 return self._finish(chief)
             time.sleep(_POLL_SECONDS)
+
+    def _fail(self, failures):
+        """Names the root cause of ``failures`` in one line and stops the other tasks.
+
+        The tasks that failed after it are left out: they failed because of
+        it, and naming them sends an operator after the wrong task.
+
+        Returns:
+          The root cause's shell status (128 + the signal's number for a
+          signal, as a shell reports it), whichever task it is: a chief that
+          failed because another task did must not pass on its echo.
+        """
+        (root, status, _), chief = failures[0], self.tasks[0]
+        if root is chief:
+            self.say("chief %s (pid %d) ended with %s; stopping the other tasks"
+                     % (root.name, root.process.pid, describe_status(status)))
+        else:
+            self.say("%s (pid %d) died with %s; stopping the other tasks"
+                     % (root.name, root.process.pid, describe_status(status)))
+        self.died = (root, status)
+        self.stop()
+        return shell_status(status)
 
     def _finish(self, chief):
         status = chief.process.returncode
         others = self.tasks[1:]
-        if status != 0:
-            self.say("chief %s (pid %d) ended with %s; stopping the other tasks"
-                     % (chief.name, chief.process.pid, describe_status(status)))
-            self.died = (chief, status)
-        elif not _wait_until(lambda: all(task.ended() for task in others), self.shutdown_seconds):
+        if status != 0:  # The chief ended between _failures() and here.
+            return self._fail(self._failures())
+        if not _wait_until(lambda: all(task.ended() for task in others), self.shutdown_seconds):
             late = [t.name for t in others if not t.ended()]
             self.say("%s still running %g s after the chief finished; stopping them"
                      % (", ".join(late), self.shutdown_seconds))
@@ -563,6 +694,8 @@ class Launcher(object):
                 status = self.supervise()
                 if self.died is None or self.received is not None or self.max_restarts is None:
                     return status
+                if self.checkpoint_dir is not None:  # Every task has ended: no save is in progress.
+                    remove_save_temporaries(self.checkpoint_dir)
                 if self.restarts >= self.max_restarts:
                     self.say("giving up: %s died with %s after %d restart%s"
                              % (self.died[0].name, describe_status(self.died[1]), self.restarts,
