@@ -79,7 +79,7 @@ def test_a_whole_window_is_fed_end_to_end_and_its_micro_batches_are_views_of_it(
 def test_a_whole_window_bench_runs_once_per_window_and_is_exact():
     import tensorflow as tf
 
-    bench = harness.build_bench("ingraph", "mlp", harness.ingraph, 4, 3, {"widths": [8]}, optimizer="sgd",
+    bench = harness.build_bench("ingraph", "mlp", harness.one_run, 4, 3, {"widths": [8]}, optimizer="sgd",
                                 reference=True)
     try:
         assert bench.window.whole_window and bench.micro_steps == 3  # Its time is per micro-batch, as the others'.
