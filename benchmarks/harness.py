@@ -13,8 +13,8 @@ The API (all seconds are per micro-step, i.e. per ``session.run`` of a train op)
 
 * ``MODELS`` (name -> ``fn(images, labels, **model_args) -> loss``): add a model with one entry.
 * Trainers ``fn(model_fn, images, labels, k, make_optimizer, global_step) -> Window``:
-  ``ours``, ``ours_unweighted``, ``plain``, ``fwd_bwd``, ``ingraph`` here; a peer is one more such function.
-  A trainer that takes the whole window in one run (``ingraph``) returns ``Window(..., whole_window=True)``:
+  ``ours``, ``ours_unweighted``, ``plain``, ``fwd_bwd``, ``one_run`` (its rows keyed ``ingraph``, as results.json keeps them) here; a peer is one more such function.
+  A trainer that takes the whole window in one run (``one_run``) returns ``Window(..., whole_window=True)``:
   its bench feeds the k micro-batches end to end, and its time is still per micro-batch (window / k).
 * ``build_bench(name, model, trainer, micro, k, ...) -> Bench``: fresh graph, session, feeds,
   graph finalized; ``close(benches)``; ``random_feeds``, ``trainable_floats(graph)``.
@@ -208,7 +208,7 @@ def ours(model_fn, images, labels, k, make_optimizer, global_step, keep=None, **
     return Window([], opt.minimize(loss, global_step=global_step, weight=weight), [])
 
 
-def ingraph(model_fn, images, labels, k, make_optimizer, global_step):
+def one_run(model_fn, images, labels, k, make_optimizer, global_step):
     """``gradaccum.subdivisions.minimize``: the k micro-batches in a ``tf.while_loop``, one run per window.
 
     The same accumulator (weight = the micro-batch size) as ``ours``; the micro-batches' batch-norm

@@ -2,12 +2,12 @@
 
 Configurations (one fresh process each, repeated as ``PLANS`` says, interleaved):
 ``full`` (plain training on B), ``plain`` (plain training on B/k), ``ours`` (the
-accumulator on k micro-batches of B/k, k runs) and ``ingraph``
+accumulator on k micro-batches of B/k, k runs) and ``ingraph``, one run per update
 (``gradaccum.subdivisions.minimize``: the same k micro-batches in one run, fed the whole
 batch). Each child runs with the BFC CPU allocator (``TF_CPU_ALLOCATOR_USE_BFC=true``) so
 that TensorFlow's own peak is known where TF keeps it (TF >= 2.5; TF 1.15 has no
 allocator statistics: ``n/a``), beside peak RSS.
-Targets: ours <= (plain at B/k + one copy of the parameters) x 1.05; in-graph <= (plain
+Targets: ours <= (plain at B/k + one copy of the parameters) x 1.05; one run per update <= (plain
 at B/k + one copy of the parameters + the sums, one more copy) x 1.05, with the whole
 batch's fed inputs in its peak (the table's note also gives the ratio with them added to
 the bound).
@@ -17,9 +17,9 @@ import statistics
 import harness
 
 PLANS = {False: {"batch": 1000, "ks": [1, 10, 50], "repeats": 2}, True: {"batch": 400, "ks": [10], "repeats": 1}}
-TRAINERS = {"full": harness.plain, "plain": harness.plain, "ours": harness.ours, "ingraph": harness.ingraph}
+TRAINERS = {"full": harness.plain, "plain": harness.plain, "ours": harness.ours, "ingraph": harness.one_run}
 # Copies of the parameters an accumulating configuration may hold beside a plain micro-batch's peak: ours
-# its cache; the in-graph loop its sums and one more copy (the issue's bound).
+# its cache; the one-run loop its sums and one more copy (the issue's bound).
 EXTRA_PARAMS = {"ours": 1, "ingraph": 2}
 # results.json's keys (at the largest k) -> the ratio in that k's row.
 HEADLINE_KEYS = {
@@ -92,7 +92,7 @@ def _per_repeat(results, config, k, extra, key):
 
 
 def _row(k, cell, full, params, feed):
-    """One k's peaks and ratios: ours' unprefixed (as before), the in-graph form's prefixed ``ingraph_``."""
+    """One k's peaks and ratios: ours' unprefixed (as before), the one-run form's prefixed ``ingraph_`` (the results' keys)."""
     row = {"k": k, "plain": full if k == 1 else cell("plain", k)}
     for config, prefix in (("ours", ""), ("ingraph", "ingraph_")):
         row[config] = cell(config, k)
@@ -105,7 +105,8 @@ def _row(k, cell, full, params, feed):
     return row
 
 
-def _table(config, rows):
+def _table(config, rows, label=None):
+    """The rows of ``config`` (the results' key) as a table, its columns headed ``label`` (``config`` by default)."""
     prefix, bound = ("", "params") if config == "ours" else (config + "_", "2 params")
     cells = [[row["k"], harness.mb(row["plain"]["peak_rss_bytes"]), harness.mb(row[config]["peak_rss_bytes"]),
               harness.fmt(row[prefix + "over_micro_plus_params"]), harness.fmt(row[prefix + "over_full"]),
@@ -113,9 +114,9 @@ def _table(config, rows):
               harness.fmt(row[prefix + "tf_over_micro_plus_params"]), harness.fmt(row[prefix + "tf_over_full"])]
              for row in rows]
     return harness.markdown_table(
-        ["k", "peak RSS, plain B/k", "peak RSS, %s" % config, "%s / (plain + %s)" % (config, bound),
-         "%s / full" % config, "TF peak, plain", "TF peak, %s" % config, "TF: %s / (plain + %s)" % (config, bound),
-         "TF: %s / full" % config], cells)
+        ["k", "peak RSS, plain B/k", "peak RSS, %s" % label, "%s / (plain + %s)" % (label, bound),
+         "%s / full" % label, "TF peak, plain", "TF peak, %s" % label, "TF: %s / (plain + %s)" % (label, bound),
+         "TF: %s / full" % label], cells)
 
 
 def summarize(results):
@@ -143,11 +144,11 @@ def _markdown(results, full, rows, batch, feed):
             "peak %s." % (max(r["spec"]["repeat"] for r in results) + 1, harness.mb(full["peak_rss_bytes"]),
                           harness.mb(full["tf_peak_bytes"])),
             ""] + _table("ours", rows) + [
-            "", "In-graph (`subdivisions.minimize`, one run per update). Its bound is the plain micro-batch's peak "
+            "", "One run per update (`subdivisions.minimize`). Its bound is the plain micro-batch's peak "
             "plus 2 copies of the parameters (one, and the loop's sums). Its run is fed the whole batch "
             "(%s of inputs): the feed is in its peak, the numerator; with it added to the bound as well, the ratio "
             "at k = %d is %s (RSS) and %s (TF)." % (
                 "n/a" if feed is None else "%.1f MB" % (feed / harness.MB), rows[-1]["k"],
                 harness.fmt(rows[-1].get("ingraph_over_micro_plus_params_plus_feed")),
                 harness.fmt(rows[-1].get("ingraph_tf_over_micro_plus_params_plus_feed"))), ""] + \
-        _table("ingraph", rows)
+        _table("ingraph", rows, "one-run")

@@ -31,7 +31,7 @@ SETUPS = {
 }
 ROUNDS = {False: {"mlp10m": 20, "cnn": 21, "onednn_off": 25}, True: {"mlp10m": 10, "cnn": 8, "onednn_off": 5}}
 SECONDS = {"mlp10m": 30, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds are done (a loaded machine;
-# the MLP went from 27 to 30 s with the in-graph row, so that a quiet machine still runs its 20 rounds).
+# the MLP went from 27 to 30 s with the one-run row, so that a quiet machine still runs its 20 rounds).
 # Timing children per setup, their rounds pooled. Where a bench's buffers land moves a 10M-parameter
 # row by a few percent (``ours_twin`` against ``ours``, one graph built twice: 0.96 to 1.01 in single
 # children): eight MLP children average over eight placements, and odd ones build their rows in
@@ -40,7 +40,7 @@ SECONDS = {"mlp10m": 30, "cnn": 40, "onednn_off": 30}  # At most, once 5 rounds 
 PROCESSES = {False: {"mlp10m": 8, "cnn": 4}, True: {"mlp10m": 2, "cnn": 2}}
 ERROR_WINDOWS = {False: 10, True: 4}
 ACCUMULATORS = ("ours", "ours_unweighted", "seeds_manual", "tensorpack", "horovod", "ingraph")
-# In-graph / the best (in paired terms: the largest ratio) of these rows, and the issue's target. On the MLP
+# One run per update (key ``ingraph``) / the best (in paired terms: the largest ratio) of these rows, and the issue's target. On the MLP
 # tensorpack is left out: it sums the micro-batches' gradients (k - 1 times too large an update).
 INGRAPH_KEYS = {"cnn": ("cnn_ingraph_over_best_peer_time", ("ours", "seeds_manual", "tensorpack", "plain")),
                 "mlp10m": ("mlp10m_ingraph_over_best_exact_time", ("ours", "seeds_manual", "plain"))}
@@ -107,7 +107,7 @@ def horovod(model_fn, images, labels, k, make_optimizer, global_step):
 
 ROWS = {"ours": harness.ours, "ours_unweighted": harness.ours_unweighted, "ours_twin": harness.ours,
         "plain": harness.plain, "fwd_bwd": harness.fwd_bwd, "wrapped_apply": wrapped_apply,
-        "seeds_manual": seeds_manual, "tensorpack": tensorpack, "horovod": horovod, "ingraph": harness.ingraph}
+        "seeds_manual": seeds_manual, "tensorpack": tensorpack, "horovod": horovod, "ingraph": harness.one_run}
 IMPORTS = {"tensorpack": "tensorpack.tfutils.optimizer", "horovod": "horovod.tensorflow"}
 NOT_TRAINING = ("fwd_bwd", "wrapped_apply")  # Parts of a step, timed for the floor: not peers.
 TIMING_ONLY = NOT_TRAINING + ("ours_twin",)  # No memory child: ``ours`` measures the same graph.

@@ -79,7 +79,7 @@ def test_a_whole_window_is_fed_end_to_end_and_its_micro_batches_are_views_of_it(
 def test_a_whole_window_bench_runs_once_per_window_and_is_exact():
     import tensorflow as tf
 
-    bench = harness.build_bench("ingraph", "mlp", harness.ingraph, 4, 3, {"widths": [8]}, optimizer="sgd",
+    bench = harness.build_bench("ingraph", "mlp", harness.one_run, 4, 3, {"widths": [8]}, optimizer="sgd",
                                 reference=True)
     try:
         assert bench.window.whole_window and bench.micro_steps == 3  # Its time is per micro-batch, as the others'.
@@ -202,6 +202,9 @@ def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
     lines = run.headline(summary)
     assert any("`mlp10m_overhead_over_floor`): **1.000** (95% CI 1.000-1.000), target <= 1.10: met" in line
                for line in lines)
+    # The loop of one run per update is not "in-graph" (TensorFlow's in-graph replication) where people read.
+    assert any(line.startswith("| 10M MLP: one run per update / the best exact one of ours") for line in table)
+    assert not any("in-graph" in line for line in table + lines)
     assert any("`cnn_ingraph_over_best_peer_time`): **0.917** (95% CI 0.875-0.960) against plain; A/A on this "
                "model 0.990 (95% CI 0.980-1.000), target <= 0.90: not resolved." in line for line in lines)
     assert any("`mlp10m_ingraph_over_best_exact_time`): **0.943** (95% CI 0.943-0.943) against ours; A/A on "
@@ -249,7 +252,7 @@ def test_memory_summary_takes_medians_and_the_largest_k():
     assert keys["accumulated_peak_over_full_batch_peak"] == pytest.approx(661.0 / 901.0)
     assert keys["tf_allocator_accumulated_peak_over_micro_peak_plus_params"] == pytest.approx(79.0 / 76.0)
     assert "| 4 | 651 MB | 661 MB | 1.014 | 0.734 | 75 MB | 79 MB | 1.039 | 0.263 |" in lines
-    # In-graph: the bound holds two copies of the parameters; the interval is the repeats' range (two of them).
+    # One run per update: the bound holds two copies of the parameters; the interval is the repeats' range (two of them).
     assert keys["ingraph_peak_over_micro_peak_plus_params"] == pytest.approx(663.0 / 653.0)
     assert keys["ingraph_peak_over_micro_peak_plus_params_ci95"] == pytest.approx([664.0 / 654.0, 662.0 / 652.0])
     assert keys["tf_allocator_ingraph_peak_over_micro_peak_plus_params"] == pytest.approx(80.0 / 77.0)
@@ -258,6 +261,9 @@ def test_memory_summary_takes_medians_and_the_largest_k():
     assert keys["ingraph_feed_bytes"] == 2 * MB
     assert "| 4 | 651 MB | 663 MB | 1.015 | 0.736 | 75 MB | 80 MB | 1.039 | 0.267 |" in lines
     assert any("fed the whole batch (2.0 MB of inputs)" in line and "1.013 (TF)" in line for line in lines)
+    assert "| k | peak RSS, plain B/k | peak RSS, one-run | one-run / (plain + 2 params) | one-run / full |" \
+        " TF peak, plain | TF peak, one-run | TF: one-run / (plain + 2 params) | TF: one-run / full |" in lines
+    assert not any("ingraph" in line or "in-graph" in line for line in lines)
 
 
 def test_plans_name_only_known_rows_and_groups():

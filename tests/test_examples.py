@@ -183,7 +183,7 @@ def test_main_example_prints_its_lines_quietly_and_writes_its_json(tmp_path, dat
         [line.rsplit(",", 1)[0] for line in lines[2:4]]
 
 
-@pytest.mark.parametrize("form", [[], ["--in-graph"]], ids=["fused", "in-graph"])
+@pytest.mark.parametrize("form", [[], ["--one-run"]], ids=["fused", "one-run"])
 def test_main_example_verbose_lets_tensorflow_speak_and_logdir_writes_once_per_update(tmp_path, data_dir, form):
     proc = run("fashion_mnist_subdivision.py", ["--data-dir", data_dir, "--width", "1", "--batch-size", "40",
                                                 "--subdivisions", "2", "--epochs", "1", "--verbose",
@@ -226,7 +226,7 @@ def test_main_example_on_real_fashion_mnist(tmp_path):
     assert figures["final_test_accuracy"] > 0.3  # ten updates of a tiny CNN: far better than chance
 
 
-def _trained(subdivisions, micro_batches, updates, in_graph=False, start=None):
+def _trained(subdivisions, micro_batches, updates, one_run=False, start=None):
     """The example's graph (width 2) trained for ``updates`` updates; returns every variable's value.
 
     ``start``: ``(names, values)`` to begin from instead of the initializers'.
@@ -235,7 +235,7 @@ def _trained(subdivisions, micro_batches, updates, in_graph=False, start=None):
         tf.compat.v1.set_random_seed(7)
         random.seed(7)  # under TF2 behaviour tf-keras's initialisers draw their seeds from Python's random
         model = example.build(2, subdivisions, lambda step: example.learning_rate(step, 0.01, 2, 10),
-                              in_graph=in_graph)
+                              one_run=one_run)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             given = dict(zip(*start)) if start else {}
@@ -275,16 +275,16 @@ def test_the_examples_subdivided_training_equals_full_batch_training():
         assert moved > 1e-3  # each update moves the kernels far more than the tolerance
 
 
-def test_the_examples_in_graph_training_equals_full_batch_training():
-    """--in-graph: each batch of 15 in one run, split into 3 micro-batches of 5 inside the graph."""
+def test_the_examples_one_run_training_equals_full_batch_training():
+    """--one-run: each batch of 15 in one run, split into 3 micro-batches of 5 in a loop inside the graph."""
     rng = np.random.RandomState(4)
     batches = [(rng.rand(15, 28, 28, 1).astype(np.float32), rng.randint(0, 10, 15).astype(np.int32))
                for _ in range(3)]
     full_names, full = _trained(1, lambda u: [batches[u]], 3)
-    names, in_graph = _trained(3, lambda u: [batches[u]], 3, in_graph=True, start=(full_names, full[0]))
+    names, one_run = _trained(3, lambda u: [batches[u]], 3, one_run=True, start=(full_names, full[0]))
     shared = [n for n in names if n in full_names]
     assert len(shared) >= 20 and "global_step" in shared
-    got, want = dict(zip(names, in_graph[-1])), dict(zip(full_names, full[-1]))
+    got, want = dict(zip(names, one_run[-1])), dict(zip(full_names, full[-1]))
     for name in shared:
         np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=name)
     assert got["global_step"] == 3
