@@ -56,11 +56,11 @@ def shard_directory(checkpoint_dir, config):
     Example:
       >>> saver.save(sess, os.path.join(shard_directory(ckpt_dir, config), "model.ckpt"), global_step=step)
     """
-    from gradaccum.distributed.collective import _group
+    from gradaccum.distributed import wire  # Imports TF: on use, as _tf().
 
     if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
         raise TypeError("`checkpoint_dir` must be a non-empty string, got %r" % (checkpoint_dir,))
-    size, rank, _ = _group(config)
+    size, rank, _ = wire.group(config)
     directory = os.path.join(checkpoint_dir, "shard-%d-of-%d" % (rank, size))
     os.makedirs(directory, exist_ok=True)
     return directory
@@ -140,9 +140,9 @@ def latest_shard(checkpoint_dir, config):
       >>> path = latest_shard(ckpt_dir, config)
       >>> saver.restore(sess, path) if path else sess.run([init, broadcast])
     """
-    from gradaccum.distributed.collective import _group
+    from gradaccum.distributed import wire  # Imports TF: on use, as _tf().
 
-    size, rank, _ = _group(config)
+    size, rank, _ = wire.group(config)
     step, prefixes = sharded_checkpoints(checkpoint_dir)
     if prefixes and len(prefixes) != size:
         raise ValueError("`checkpoint_dir` %r holds shards of %d workers, this job has %d: run "

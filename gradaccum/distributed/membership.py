@@ -32,9 +32,8 @@ import os
 import numpy as np
 
 from gradaccum import _validate
-from gradaccum.distributed import consolidate
+from gradaccum.distributed import consolidate, wire
 from gradaccum._compat import tf
-from gradaccum.distributed.collective import _group
 
 _SCOPE = "gradaccum_membership"
 
@@ -280,7 +279,7 @@ class Membership(object):
     """
 
     def __init__(self, config, global_batch, micro_batch_size, num_examples, *, seed=0):
-        self._size, self._rank, _ = _group(config)
+        self._size, self._rank, _ = wire.group(config)
         self._k = micro_batches_per_worker(global_batch, micro_batch_size, self._size)
         self._batch, self._micro = global_batch, micro_batch_size
         update_examples(0, 1, num_examples, seed)  # Checks num_examples and seed.
