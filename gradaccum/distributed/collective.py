@@ -48,15 +48,17 @@ creates ``<name>_first_run/synced_<key>`` (bool, non-trainable; ``<key>`` is
 the instance key of its all-reduce), in NO collection:
 never saved and never initialised by ``global_variables_initializer``; the
 first run of the train op in each process initialises it (see
-:meth:`CollectiveAllReduce.compute_gradients`). Nothing is added to graph
-collections.
+:meth:`CollectiveAllReduce.compute_gradients`). The train op of
+:meth:`CollectiveAllReduce.apply_gradients` goes to ``TRAIN_OP``, as an
+optimizer's does (the wrapped optimizer's inner apply op is kept out of it);
+nothing else is added to graph collections.
 """
 from gradaccum.devices import context as tower_context
 from gradaccum import _validate
 from gradaccum._compat import collective_broadcast, collective_sum, tf, v1_control_flow
 from gradaccum.distributed import wire
 from gradaccum.distributed.wire import DEFAULT_BUFFER_BYTES, GROUP_KEY  # noqa: F401  Public here as before.
-from gradaccum.window.gradients import normalized, weighted
+from gradaccum.window import pipeline
 from gradaccum.window.reducers import Reducer
 
 
@@ -288,9 +290,12 @@ class CollectiveAllReduce(Reducer):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None):
         """Reduces ``weight * grad`` and ``weight`` over the workers, divides, applies.
 
-        One reduction per run. When the summed weight is 0 (no worker had
-        data), nothing is applied and ``global_step`` does not move, on every
-        worker alike.
+        One reduction per run: the accumulator's k = 1 window
+        (``gradaccum.window.pipeline.reduce_and_apply``), without its
+        ``skipped_windows`` counter. When the summed weight is 0 (no worker
+        had data), nothing is applied and ``global_step`` does not move, on
+        every worker alike; an applied update moves it by exactly one, also
+        for a wrapped optimizer that does not count it.
 
         Args:
           grads_and_vars: list of ``(gradient, variable)``; ``None`` gradients
@@ -310,22 +315,9 @@ class CollectiveAllReduce(Reducer):
           >>> train_op = opt.apply_gradients(opt.compute_gradients(loss), global_step,
           ...                                weight=tf.shape(x)[0])
         """
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            raise ValueError("`grads_and_vars` has no gradient for any variable")
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
-        outer = tf.compat.v1.get_default_graph().get_name_scope()
-        with tf.compat.v1.name_scope(self._name):
-            total = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
-            sums, total = self.reduce_window([(weighted(g, total), v) for g, v in pairs], total)
-
-            def apply():
-                averaged = normalized(sums, total)
-                with tf.compat.v1.get_default_graph().name_scope(outer + "/" if outer else ""):
-                    return tf.group(self.apply_reduced(averaged, global_step=global_step))
-
-            applied = tf.cond(tf.greater(total, 0), apply, tf.no_op, name="apply_if_weight")
-        return tf.group(applied, name=name or "train")
+        # The window's own k = 1 path, without its state: weigh, reduce, divide, apply or skip.
+        return pipeline.reduce_and_apply(self, grads_and_vars, global_step, name, weight)
 
 
 def _after(grad, op):
