@@ -438,7 +438,11 @@ class AllReduceOnApply(Reducer):
     it. Its :meth:`~gradaccum.Reducer.reduce` keeps the window local, so
     skip decisions and statistics are each process's own. ``hvd.DistributedOptimizer`` instead reduces in
     ``compute_gradients``, i.e. on every micro-batch. Every process must run
-    the same number of micro-batches, so that all reach the reduce together.
+    the same number of micro-batches, so that all reach the reduce together,
+    and none may skip a window alone: ``skip_nonfinite=True`` on the
+    accumulator is refused (``ValueError``) when the train op is built; a
+    loss-scale optimizer wrapped inside this one tests the reduced gradients,
+    the same on every rank.
 
     For TensorFlow's own collectives use :class:`CollectiveAllReduce`, which
     also sums the window weights (exact with uneven data) and lets every
@@ -473,6 +477,16 @@ class AllReduceOnApply(Reducer):
             raise TypeError("`all_reduce` must be callable (gradient -> reduced gradient), got %s"
                             % _validate.describe(all_reduce))
         self._all_reduce = all_reduce
+
+    @property
+    def skips_alike(self):
+        """False: :meth:`reduce` keeps each rank's window, so ranks decide a skip apart.
+
+        So a ``GradientAccumulator(..., skip_nonfinite=True)`` around it is
+        refused when its train op is built (a rank that skipped would leave
+        the others waiting in the all-reduce).
+        """
+        return False
 
     def apply_reduced(self, grads_and_vars, global_step=None, name=None):
         """The window's apply step (``gradaccum.reducers``): :meth:`apply_gradients` of its mean.

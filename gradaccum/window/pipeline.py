@@ -237,9 +237,31 @@ def build(config, grads_and_vars, pairs, step):
     Example:
       >>> window = build(config, gv, gv, Step(step, None, None, [], None, False))
     """
+    check_reducer(config)
     if config.size.k == 1:
         return _build_direct(config, grads_and_vars, pairs, step)
     return _build_window(config, pairs, step)
+
+
+def check_reducer(config):
+    """Refuses, in one line, ``skip_nonfinite=True`` with a reducer whose workers skip apart (``skips_alike``).
+
+    Args:
+      config: the accumulator's :data:`Config`.
+
+    Raises:
+      ValueError: for that combination (``AllReduceOnApply``, Horovod's).
+
+    Example:
+      >>> check_reducer(config)
+    """
+    if config.skip_nonfinite and config.reducer is not None and not config.reducer.skips_alike:
+        raise ValueError(
+            "`skip_nonfinite=True` cannot be combined with %s: a skipped window is decided per rank, so ranks "
+            "can disagree and the others wait in the all-reduce for ever; leave skip_nonfinite off and wrap a "
+            "loss-scale optimizer inside %s (it tests the reduced gradients, the same on every rank), or use "
+            "CollectiveAllReduce, which skips on every worker together"
+            % (type(config.reducer).__name__, type(config.reducer).__name__))
 
 
 # ------------------------------------------------------------ k = 1, static
@@ -439,6 +461,7 @@ def summed_state(config, pairs, step):
     Example:
       >>> state = summed_state(config, pairs, step)
     """
+    check_reducer(config)
     with tf.compat.v1.init_scope():
         sum_dtype = _sum_dtype(pairs, config.accumulation_dtype)
         skipped = state_variable("skipped_windows", [], tf.int64, _first(pairs))
