@@ -219,14 +219,15 @@ def collectives_child(args, tf, np, config, server):
     its error if not): it is last because a failed collective aborts the
     task's collectives for good.
     """
-    from gradaccum import _compat, cluster, collective
+    from gradaccum import _compat, cluster
+    from gradaccum.distributed import wire
 
     size, rank = len(config.compute_tasks), config.task_index
     widths = [int(w) for w in args.widths.split(",")]
     share = sum((a + 1) * b for a, b in zip(widths[:-1], widths[1:])) // size
     ops = _compat._collective_ops()
     keys = iter(range(1 << 20, 1 << 21))
-    with tf.device(collective._device(config)):
+    with tf.device(wire.device(config)):
         model = tf.compat.v1.Variable(np.ones(share * size, np.float32), name="model")
         mine = tf.compat.v1.Variable(np.ones(share, np.float32), name="share")
         exchanges = {

@@ -171,6 +171,34 @@ def test_one_buffer_per_dtype_split_above_buffer_bytes_and_sparse_densified():
     assert all(op.device.endswith("/job:worker/replica:0/task:0/device:CPU:0") for op in reduces)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_all_reduce_on_apply_refuses_skip_nonfinite_in_one_line(k):
+    """A skipped window is decided per rank behind AllReduceOnApply: one rank skipping would hang the others.
+
+    ``tf.identity`` stands in for Horovod's all-reduce, as in test_cluster.py: no Horovod needed."""
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=[1.0, 2.0])
+        loss = tf.reduce_sum(w * w)
+        opt = gradaccum.GradientAccumulator(
+            cluster.AllReduceOnApply(tf.compat.v1.train.GradientDescentOptimizer(0.1), tf.identity), k,
+            skip_nonfinite=True)
+        with pytest.raises(ValueError) as refused:
+            opt.minimize(loss)
+        message = str(refused.value)
+        assert "\n" not in message
+        assert re.match(r"`skip_nonfinite=True` cannot be combined with AllReduceOnApply: a skipped window is "
+                        r"decided per rank, so ranks can disagree and the others wait in the all-reduce for "
+                        r"ever; leave skip_nonfinite off and wrap a loss-scale optimizer inside AllReduceOnApply "
+                        r".* or use CollectiveAllReduce", message), message
+        # Without it, and CollectiveAllReduce with it, build as before.
+        gradaccum.GradientAccumulator(
+            cluster.AllReduceOnApply(tf.compat.v1.train.GradientDescentOptimizer(0.1), tf.identity), k,
+            name="plain").minimize(loss)
+        gradaccum.GradientAccumulator(
+            cluster.CollectiveAllReduce(tf.compat.v1.train.GradientDescentOptimizer(0.1), None), k,
+            skip_nonfinite=True, name="collective").minimize(loss)
+
+
 def _ancestors(op):
     seen, todo = set(), [op]
     while todo:

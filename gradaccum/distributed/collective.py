@@ -33,7 +33,8 @@ for ever otherwise; TF 1.15's has no timeout of its own).
 
 Every worker must build the same collective ops in the same order: each gets
 the next instance key of a process-wide counter (the group key is
-:data:`GROUP_KEY`).
+:data:`GROUP_KEY`). How tensors travel (packing, instance keys, the group of
+a config) is :mod:`gradaccum.distributed.wire`, shared with the sharded engine.
 
 :func:`synchronized_batch_norm` extends ``gradaccum.batch_normalization``'s
 synchronized statistics from the towers of one session to every worker: its
@@ -47,42 +48,18 @@ creates ``<name>_first_run/synced_<key>`` (bool, non-trainable; ``<key>`` is
 the instance key of its all-reduce), in NO collection:
 never saved and never initialised by ``global_variables_initializer``; the
 first run of the train op in each process initialises it (see
-:meth:`CollectiveAllReduce.compute_gradients`). Nothing is added to graph
-collections.
+:meth:`CollectiveAllReduce.compute_gradients`). The train op of
+:meth:`CollectiveAllReduce.apply_gradients` goes to ``TRAIN_OP``, as an
+optimizer's does (the wrapped optimizer's inner apply op is kept out of it);
+nothing else is added to graph collections.
 """
-import itertools
-
 from gradaccum.devices import context as tower_context
 from gradaccum import _validate
 from gradaccum._compat import collective_broadcast, collective_sum, tf, v1_control_flow
-from gradaccum.window.gradients import densified, normalized, sparse_again, weighted
+from gradaccum.distributed import wire
+from gradaccum.distributed.wire import DEFAULT_BUFFER_BYTES, GROUP_KEY  # noqa: F401  Public here as before.
+from gradaccum.window import pipeline
 from gradaccum.window.reducers import Reducer
-
-GROUP_KEY = 0x6761
-"""The collective group key of the compute tasks (chief and workers)."""
-DEFAULT_BUFFER_BYTES = 16 * 2 ** 20
-_instance_keys = itertools.count(1)
-_BROADCAST_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
-
-
-def _device(config):
-    """Where this task's collectives run: its CPU (TF 1.15 needs every collective placed)."""
-    return "/job:%s/replica:0/task:%d/device:CPU:0" % (config.task_type, config.task_index)
-
-
-def _group(config):
-    """``(size, rank, leader)`` of this task in the compute group (chief first)."""
-    if config is None:
-        return 1, 0, None
-    me = (getattr(config, "task_type", None), getattr(config, "task_index", None))
-    tasks = getattr(config, "compute_tasks", None)
-    if tasks is None:
-        raise TypeError("`config` must be a gradaccum.cluster.ClusterConfig or None, got %s"
-                        % _validate.describe(config))
-    if me not in tasks:
-        raise ValueError("`config` must be a chief or worker task's (ps and evaluator tasks take no part in "
-                         "collectives), got %s" % config.task_name)
-    return len(tasks), tasks.index(me), "/job:%s/replica:0/task:%d" % tasks[0]
 
 
 def collective_session_config(config, base=None):
@@ -110,7 +87,7 @@ def collective_session_config(config, base=None):
     """
     if config is None:
         raise TypeError("`config` must be a gradaccum.cluster.ClusterConfig of a chief or worker task, got None")
-    _, _, leader = _group(config)
+    _, _, leader = wire.group(config)
     proto = tf.compat.v1.ConfigProto()
     if base is not None:
         proto.CopyFrom(base)
@@ -118,76 +95,6 @@ def collective_session_config(config, base=None):
     del proto.device_filters[:]
     proto.device_filters.append("/job:%s/task:%d" % (config.task_type, config.task_index))
     return proto
-
-
-def _split_sizes(count, itemsize, buffer_bytes):
-    pieces = max(1, -(-count * itemsize // buffer_bytes))
-    return [count // pieces + (1 if i < count % pieces else 0) for i in range(pieces)]
-
-
-def _packed(tensors, buffer_bytes, exchange):
-    """Flattens ``tensors`` into one buffer per dtype, exchanges each piece, unpacks.
-
-    ``exchange(piece)`` returns the piece after communication. Returns the
-    tensors in order, with their shapes, and the number of exchanges.
-    """
-    by_dtype = {}
-    for position, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype.base_dtype, []).append(position)
-    results, count = [None] * len(tensors), 0
-    for dtype, positions in sorted(by_dtype.items(), key=lambda item: item[1][0]):
-        shapes = [tensors[p].shape for p in positions]
-        sizes = [shape.num_elements() for shape in shapes]
-        flat = tf.concat([tf.reshape(tensors[p], [-1]) for p in positions], 0) if len(positions) > 1 \
-            else tf.reshape(tensors[positions[0]], [-1])
-        split = _split_sizes(sum(sizes), dtype.size, buffer_bytes)
-        pieces = tf.split(flat, split) if len(split) > 1 else [flat]
-        done = [exchange(piece) for piece in pieces]
-        count += len(done)
-        whole = tf.concat(done, 0) if len(done) > 1 else done[0]
-        parts = tf.split(whole, sizes) if len(sizes) > 1 else [whole]
-        for position, part, shape in zip(positions, parts, shapes):
-            results[position] = tf.reshape(part, shape)
-    return results, count
-
-
-def _to_wire(sums_and_vars):
-    """The tensors that carry ``sums_and_vars`` in an all-reduce, and how many carry each pair.
-
-    A dense sum travels as it is (1 tensor); an ``IndexedSlices`` one
-    densified to its variable's shape, with one touched flag per row (2), so
-    that :func:`_from_wire` makes it sparse again over the rows any worker
-    touched.
-
-    Raises:
-      ValueError: for a gradient or variable without a fully defined shape.
-    """
-    flat, widths = [], []
-    for grad, var in sums_and_vars:
-        if isinstance(grad, tf.IndexedSlices):
-            _check_static(var, "variable %r" % var.op.name)
-            flat.extend(densified(grad, var))
-            widths.append(2)
-        else:
-            flat.append(_check_static(tf.convert_to_tensor(grad), "the gradient of %r" % var.op.name))
-            widths.append(1)
-    return flat, widths
-
-
-def _from_wire(reduced, sums_and_vars, widths):
-    """The ``(sum, variable)`` pairs again from their reduced tensors (the first ``sum(widths)``)."""
-    out, position = [], 0
-    for (_, var), width in zip(sums_and_vars, widths):
-        part = reduced[position:position + width]
-        out.append((part[0] if width == 1 else sparse_again(part[0], part[1], var), var))
-        position += width
-    return out
-
-
-def _check_static(tensor, what):
-    if not tensor.shape.is_fully_defined():
-        raise ValueError("collective reduction needs fully defined shapes: %s has shape %s" % (what, tensor.shape))
-    return tensor
 
 
 class CollectiveAllReduce(Reducer):
@@ -238,7 +145,7 @@ class CollectiveAllReduce(Reducer):
     def __init__(self, optimizer, config, *, timeout_seconds=None, buffer_bytes=DEFAULT_BUFFER_BYTES,
                  name="CollectiveAllReduce"):
         super(CollectiveAllReduce, self).__init__(optimizer, name)  # Checks `optimizer` and `name`.
-        self._size, self._rank, _ = _group(config)
+        self._size, self._rank, _ = wire.group(config)
         self._config = config
         self._timeout = _validate.check_positive_number(timeout_seconds, "timeout_seconds")
         self._buffer_bytes = _validate.check_positive_int(buffer_bytes, "buffer_bytes")
@@ -302,13 +209,13 @@ class CollectiveAllReduce(Reducer):
 
     def _first_run_sync(self):
         with tf.compat.v1.name_scope(self._name + "_first_run"):
-            key = next(_instance_keys)
+            key = wire.next_instance_key()
             with tf.compat.v1.init_scope():
                 flag = tf.compat.v1.Variable(True, trainable=False, collections=[], name="synced_%d" % key)
             first = tf.logical_not(tf.compat.v1.is_variable_initialized(flag))
 
             def sync():
-                with tf.device(_device(self._config)):
+                with tf.device(wire.device(self._config)):
                     one = collective_sum(tf.ones([1]), self._size, GROUP_KEY, key, self._timeout)
                 # A new assign inside the branch: the variable's own initializer op lives
                 # outside the cond, so it would run on every first run, racing with
@@ -326,8 +233,8 @@ class CollectiveAllReduce(Reducer):
 
     def _all_reduce(self, piece):
         self._bytes += piece.shape.num_elements() * piece.dtype.size
-        return collective_sum(piece, self._size, GROUP_KEY, next(_instance_keys), self._timeout,
-                              device=_device(self._config))
+        return collective_sum(piece, self._size, GROUP_KEY, wire.next_instance_key(), self._timeout,
+                              device=wire.device(self._config))
 
     def reduce(self, sums_and_vars, total, extras):
         """Sums the window's local sums, weight and extra scalars over the workers, in one exchange.
@@ -356,12 +263,12 @@ class CollectiveAllReduce(Reducer):
         if self._size == 1:
             return list(sums_and_vars), total, list(extras)
         with tf.compat.v1.name_scope(self._name + "_reduce"):
-            flat, widths = _to_wire(sums_and_vars)
+            flat, widths = wire.to_wire(sums_and_vars)
             flat.extend(tf.reshape(value, []) for value in extras)
             flat.append(tf.reshape(total, []))
             self._bytes = 0
-            reduced, self._all_reduces = _packed(flat, self._buffer_bytes, self._all_reduce)
-        out = _from_wire(reduced, sums_and_vars, widths)
+            reduced, self._all_reduces = wire.packed(flat, self._buffer_bytes, self._all_reduce)
+        out = wire.from_wire(reduced, sums_and_vars, widths)
         return out, reduced[-1], list(reduced[sum(widths):-1])
 
     def reduce_window(self, sums_and_vars, weight):
@@ -383,9 +290,12 @@ class CollectiveAllReduce(Reducer):
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, *, weight=None):
         """Reduces ``weight * grad`` and ``weight`` over the workers, divides, applies.
 
-        One reduction per run. When the summed weight is 0 (no worker had
-        data), nothing is applied and ``global_step`` does not move, on every
-        worker alike.
+        One reduction per run: the accumulator's k = 1 window
+        (``gradaccum.window.pipeline.reduce_and_apply``), without its
+        ``skipped_windows`` counter. When the summed weight is 0 (no worker
+        had data), nothing is applied and ``global_step`` does not move, on
+        every worker alike; an applied update moves it by exactly one, also
+        for a wrapped optimizer that does not count it.
 
         Args:
           grads_and_vars: list of ``(gradient, variable)``; ``None`` gradients
@@ -405,22 +315,9 @@ class CollectiveAllReduce(Reducer):
           >>> train_op = opt.apply_gradients(opt.compute_gradients(loss), global_step,
           ...                                weight=tf.shape(x)[0])
         """
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            raise ValueError("`grads_and_vars` has no gradient for any variable")
         weight = _validate.check_scalar_tensor(weight, "weight", allow_none=True)
-        outer = tf.compat.v1.get_default_graph().get_name_scope()
-        with tf.compat.v1.name_scope(self._name):
-            total = tf.constant(1.0) if weight is None else tf.cast(weight, tf.float32)
-            sums, total = self.reduce_window([(weighted(g, total), v) for g, v in pairs], total)
-
-            def apply():
-                averaged = normalized(sums, total)
-                with tf.compat.v1.get_default_graph().name_scope(outer + "/" if outer else ""):
-                    return tf.group(self.apply_reduced(averaged, global_step=global_step))
-
-            applied = tf.cond(tf.greater(total, 0), apply, tf.no_op, name="apply_if_weight")
-        return tf.group(applied, name=name or "train")
+        # The window's own k = 1 path, without its state: weigh, reduce, divide, apply or skip.
+        return pipeline.reduce_and_apply(self, grads_and_vars, global_step, name, weight)
 
 
 def _after(grad, op):
@@ -459,23 +356,24 @@ def broadcast_variables(config, variables=None, *, timeout_seconds=None, buffer_
       >>> sess.run(tf.compat.v1.global_variables_initializer())
       >>> sess.run(cluster.broadcast_variables(config))
     """
-    size, rank, _ = _group(config)
+    size, rank, _ = wire.group(config)
     timeout = _validate.check_positive_number(timeout_seconds, "timeout_seconds")
     buffer_bytes = _validate.check_positive_int(buffer_bytes, "buffer_bytes")
     variables = tf.compat.v1.global_variables() if variables is None else list(variables)
     for var in variables:
-        if var.dtype.base_dtype not in _BROADCAST_DTYPES:
+        if var.dtype.base_dtype not in wire.BROADCAST_DTYPES:
             raise ValueError("`variables` must have dtypes %s, got %r of %s"
-                             % (", ".join(d.name for d in _BROADCAST_DTYPES), var.op.name, var.dtype.base_dtype.name))
-        _check_static(var, "variable %r" % var.op.name)
+                             % (", ".join(d.name for d in wire.BROADCAST_DTYPES), var.op.name,
+                                var.dtype.base_dtype.name))
+        wire.check_static(var, "variable %r" % var.op.name)
     if size == 1 or not variables:
         return tf.no_op(name=name)
     with tf.compat.v1.name_scope(name):
         def exchange(piece):
-            return collective_broadcast(piece, rank == 0, size, GROUP_KEY, next(_instance_keys), timeout,
-                                        device=_device(config))
+            return collective_broadcast(piece, rank == 0, size, GROUP_KEY, wire.next_instance_key(), timeout,
+                                        device=wire.device(config))
 
-        values, _ = _packed([tf.convert_to_tensor(var) for var in variables], buffer_bytes, exchange)
+        values, _ = wire.packed([tf.convert_to_tensor(var) for var in variables], buffer_bytes, exchange)
         if rank == 0:
             return tf.group(*values, name="sent")
         return tf.group(*[var.assign(value) for var, value in zip(variables, values)], name="assigned")
@@ -521,13 +419,13 @@ def synchronized_batch_norm(config, *, timeout_seconds=None):
       ...     loss = model_head(h, labels)
       ...     train_op = opt.minimize(loss, global_step=global_step, weight=tf.shape(images)[0])
     """
-    size, _, _ = _group(config)
+    size, _, _ = wire.group(config)
     timeout = _validate.check_positive_number(timeout_seconds, "timeout_seconds")
     if size == 1:
         return tower_context.WorkerScope(1, None, None)
     # The workers' CPUs are exactly the devices of GROUP_KEY's group: the same group, other instance
     # keys (the per-graph counter of _tower_context, from 1 << 24; ours count from 1).
-    return tower_context.WorkerScope(size, GROUP_KEY, _device(config), timeout)
+    return tower_context.WorkerScope(size, GROUP_KEY, wire.device(config), timeout)
 
 
 class AllReduceOnApply(Reducer):
@@ -540,7 +438,11 @@ class AllReduceOnApply(Reducer):
     it. Its :meth:`~gradaccum.Reducer.reduce` keeps the window local, so
     skip decisions and statistics are each process's own. ``hvd.DistributedOptimizer`` instead reduces in
     ``compute_gradients``, i.e. on every micro-batch. Every process must run
-    the same number of micro-batches, so that all reach the reduce together.
+    the same number of micro-batches, so that all reach the reduce together,
+    and none may skip a window alone: ``skip_nonfinite=True`` on the
+    accumulator is refused (``ValueError``) when the train op is built; a
+    loss-scale optimizer wrapped inside this one tests the reduced gradients,
+    the same on every rank.
 
     For TensorFlow's own collectives use :class:`CollectiveAllReduce`, which
     also sums the window weights (exact with uneven data) and lets every
@@ -575,6 +477,16 @@ class AllReduceOnApply(Reducer):
             raise TypeError("`all_reduce` must be callable (gradient -> reduced gradient), got %s"
                             % _validate.describe(all_reduce))
         self._all_reduce = all_reduce
+
+    @property
+    def skips_alike(self):
+        """False: :meth:`reduce` keeps each rank's window, so ranks decide a skip apart.
+
+        So a ``GradientAccumulator(..., skip_nonfinite=True)`` around it is
+        refused when its train op is built (a rank that skipped would leave
+        the others waiting in the all-reduce).
+        """
+        return False
 
     def apply_reduced(self, grads_and_vars, global_step=None, name=None):
         """The window's apply step (``gradaccum.reducers``): :meth:`apply_gradients` of its mean.

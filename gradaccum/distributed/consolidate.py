@@ -3,7 +3,8 @@
 The layout: under a checkpoint directory shared by the job, worker ``r`` of
 ``P`` saves with its own ``tf.compat.v1.train.Saver()`` (every global
 variable of its graph) into ``<dir>/shard-<r>-of-<P>/``
-(:func:`shard_directory`), at the same global steps as the others. A shard
+(:func:`shard_directory`; the names are :mod:`gradaccum.distributed.layout`'s),
+at the same global steps as the others. A shard
 holds the whole model, ``global_step``, the worker's own accumulation state
 and the optimizer slots of the variables it owns (with Adam's beta powers):
 the model is written P times, the optimizer state once. A relaunched worker
@@ -32,7 +33,7 @@ import os
 import re
 import sys
 
-_SHARD = re.compile(r"^shard-(\d+)-of-(\d+)$")
+from gradaccum.distributed import layout
 
 
 def _tf():
@@ -56,12 +57,12 @@ def shard_directory(checkpoint_dir, config):
     Example:
       >>> saver.save(sess, os.path.join(shard_directory(ckpt_dir, config), "model.ckpt"), global_step=step)
     """
-    from gradaccum.distributed.collective import _group
+    from gradaccum.distributed import wire  # Imports TF: on use, as _tf().
 
     if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
         raise TypeError("`checkpoint_dir` must be a non-empty string, got %r" % (checkpoint_dir,))
-    size, rank, _ = _group(config)
-    directory = os.path.join(checkpoint_dir, "shard-%d-of-%d" % (rank, size))
+    size, rank, _ = wire.group(config)
+    directory = os.path.join(checkpoint_dir, layout.shard_name(rank, size))
     os.makedirs(directory, exist_ok=True)
     return directory
 
@@ -97,9 +98,9 @@ def sharded_checkpoints(checkpoint_dir, step=None, workers=None):
     Example:
       >>> step, prefixes = sharded_checkpoints("/ckpt")
     """
-    names = sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []
-    shards = dict((int(m.group(1)), int(m.group(2))) for m in map(_SHARD.match, names)
-                  if m and workers in (None, int(m.group(2))))
+    listed = [(rank, count, name) for rank, count, name in layout.list_shards(checkpoint_dir)
+              if workers in (None, count)]
+    shards = dict((rank, count) for rank, count, _ in listed)
     counts = sorted(set(shards.values()))
     if len(counts) > 1:
         raise ValueError("`checkpoint_dir` %r holds shards of %s workers; keep one job's shards per directory"
@@ -108,10 +109,10 @@ def sharded_checkpoints(checkpoint_dir, step=None, workers=None):
         return None, []
     size = counts[0]
     if sorted(shards) != list(range(size)):
-        found = ", ".join(sorted(n for n in names if _SHARD.match(n) and n.endswith("-of-%d" % size)))
+        found = ", ".join(name for _, count, name in listed if count == size)
         raise ValueError("`checkpoint_dir` %r must hold shard-0-of-%d to shard-%d-of-%d, got %s"
                          % (checkpoint_dir, size, size - 1, size, found))
-    held = [_steps(os.path.join(checkpoint_dir, "shard-%d-of-%d" % (rank, size))) for rank in range(size)]
+    held = [_steps(os.path.join(checkpoint_dir, layout.shard_name(rank, size))) for rank in range(size)]
     common = set(held[0]).intersection(*held[1:])
     if step is not None and step not in common:
         raise ValueError("`step` %r is not held by every shard of %r (common steps: %s)"
@@ -140,9 +141,9 @@ def latest_shard(checkpoint_dir, config):
       >>> path = latest_shard(ckpt_dir, config)
       >>> saver.restore(sess, path) if path else sess.run([init, broadcast])
     """
-    from gradaccum.distributed.collective import _group
+    from gradaccum.distributed import wire  # Imports TF: on use, as _tf().
 
-    size, rank, _ = _group(config)
+    size, rank, _ = wire.group(config)
     step, prefixes = sharded_checkpoints(checkpoint_dir)
     if prefixes and len(prefixes) != size:
         raise ValueError("`checkpoint_dir` %r holds shards of %d workers, this job has %d: run "

@@ -57,7 +57,7 @@ import threading
 import time
 
 from gradaccum.distributed import tfconfig
-from gradaccum.distributed.consolidate import _SHARD
+from gradaccum.distributed.layout import SHARD_PATTERN
 
 _PREFIX = "gradaccum.launch: "
 _USAGE = "python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] [--shutdown-timeout S] " \
@@ -182,7 +182,7 @@ def newest_checkpoint_step(checkpoint_dir):
     candidates = set(_state_steps(checkpoint_dir))
     counts = {}
     for name in os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []:
-        match = _SHARD.match(name)
+        match = SHARD_PATTERN.match(name)
         if match:
             counts.setdefault(int(match.group(2)), []).append(_state_steps(os.path.join(checkpoint_dir, name)))
     for count, held in counts.items():

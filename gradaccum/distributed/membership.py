@@ -32,9 +32,8 @@ import os
 import numpy as np
 
 from gradaccum import _validate
-from gradaccum.distributed import consolidate
+from gradaccum.distributed import consolidate, layout, wire
 from gradaccum._compat import tf
-from gradaccum.distributed.collective import _group
 
 _SCOPE = "gradaccum_membership"
 
@@ -181,8 +180,7 @@ def newest_checkpoint(checkpoint_dir, num_workers=None):
       >>> step, workers, prefixes = newest_checkpoint("/ckpt", 2)
     """
     found = []
-    names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
-    for count in sorted(set(int(m.group(2)) for m in map(consolidate._SHARD.match, names) if m)):
+    for count in sorted(set(count for _, count, _ in layout.list_shards(checkpoint_dir))):
         step, prefixes = consolidate.sharded_checkpoints(checkpoint_dir, workers=count)
         if prefixes:
             found.append((step, count == num_workers, count, prefixes))
@@ -232,7 +230,7 @@ def check_window_ended(prefixes, saved_workers, num_workers):
     Example:
       >>> check_window_ended(["/ckpt/model.ckpt-6"], 3, 2)
     """
-    chief_only = not _is_shard(prefixes[0]) and (saved_workers or 1) > 1
+    chief_only = not layout.is_shard_checkpoint(prefixes[0]) and (saved_workers or 1) > 1
     if saved_workers == num_workers and not chief_only:
         return
     why = ("it holds the chief's partial sums only" if chief_only
@@ -246,10 +244,6 @@ def check_window_ended(prefixes, saved_workers, num_workers):
                     "from a checkpoint saved at the end of a window"
                     % (prefix, saved_workers if saved_workers is not None else "an unknown number of",
                        name, int(reader.get_tensor(name)), why))
-
-
-def _is_shard(prefix):
-    return consolidate._SHARD.match(os.path.basename(os.path.dirname(prefix))) is not None
 
 
 class Membership(object):
@@ -280,7 +274,7 @@ class Membership(object):
     """
 
     def __init__(self, config, global_batch, micro_batch_size, num_examples, *, seed=0):
-        self._size, self._rank, _ = _group(config)
+        self._size, self._rank, _ = wire.group(config)
         self._k = micro_batches_per_worker(global_batch, micro_batch_size, self._size)
         self._batch, self._micro = global_batch, micro_batch_size
         update_examples(0, 1, num_examples, seed)  # Checks num_examples and seed.
@@ -377,8 +371,8 @@ class Membership(object):
         path = None
         if prefixes:
             check_window_ended(prefixes, workers, self._size)
-            if not _is_shard(prefixes[0]) or workers != self._size:
-                path = prefixes[0] if not _is_shard(prefixes[0]) else consolidate.consolidate(
+            if not layout.is_shard_checkpoint(prefixes[0]) or workers != self._size:
+                path = prefixes[0] if not layout.is_shard_checkpoint(prefixes[0]) else consolidate.consolidate(
                     checkpoint_dir, os.path.join(checkpoint_dir, "resized", "step-%d-from-%d-worker-%d-of-%d"
                                                  % (step, workers, self._rank, self._size), "model.ckpt"),
                     step, workers)

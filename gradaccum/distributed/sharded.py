@@ -60,13 +60,14 @@ from gradaccum import _validate
 from gradaccum._compat import BROADCAST_FROM_ANY_TASK, collective_broadcast_from, loss_scale_optimizer_types, tf
 from gradaccum.window.gradients import weighted
 from gradaccum.window.wrapper import optimizer_chain
-from gradaccum.distributed.collective import (_BROADCAST_DTYPES, DEFAULT_BUFFER_BYTES, GROUP_KEY, CollectiveAllReduce,
-                                  _check_static, _device, _from_wire, _instance_keys, _packed, _to_wire)
+from gradaccum.distributed import wire
+from gradaccum.distributed.collective import CollectiveAllReduce
+from gradaccum.distributed.wire import DEFAULT_BUFFER_BYTES, GROUP_KEY
 from gradaccum.window.reducers import Reducer
 
 
 def _variable_bytes(var):
-    _check_static(var, "variable %r" % var.op.name)
+    wire.check_static(var, "variable %r" % var.op.name)
     return var.shape.num_elements() * var.dtype.base_dtype.size
 
 
@@ -138,11 +139,11 @@ def _at_least_float32(grad):
 
 def _check_broadcastable(variables):
     for var in variables:
-        if var.dtype.base_dtype not in _BROADCAST_DTYPES:
+        if var.dtype.base_dtype not in wire.BROADCAST_DTYPES:
             raise ValueError("ShardedAllReduce broadcasts every trained variable: dtypes %s, got %r of %s"
-                             % (", ".join(d.name for d in _BROADCAST_DTYPES), var.op.name,
+                             % (", ".join(d.name for d in wire.BROADCAST_DTYPES), var.op.name,
                                 var.dtype.base_dtype.name))
-        _check_static(var, "variable %r" % var.op.name)
+        wire.check_static(var, "variable %r" % var.op.name)
 
 
 class ShardedAllReduce(CollectiveAllReduce):
@@ -301,12 +302,12 @@ class ShardedAllReduce(CollectiveAllReduce):
                              % (len(variables), self._size, min(set(range(self._size)) - set(owners))))
         with tf.compat.v1.name_scope(self._name + "_micro_batch"):
             weighted_pairs = [(weighted(_at_least_float32(g), weight), v) for g, v in pairs]
-            flat, widths = _to_wire(weighted_pairs)
+            flat, widths = wire.to_wire(weighted_pairs)
             self._micro_bytes = sum(t.shape.num_elements() * t.dtype.size for t in flat)
             before = self._bytes
-            reduced, _ = _packed(flat, self._buffer_bytes, self._all_reduce)
+            reduced, _ = wire.packed(flat, self._buffer_bytes, self._all_reduce)
             self._bytes = before
-            summed = _from_wire(reduced, weighted_pairs, widths)
+            summed = wire.from_wire(reduced, weighted_pairs, widths)
         mine = [pair for pair, owner in zip(summed, owners) if owner == self._rank]
         self._partitions[_names(var for _, var in mine)] = (variables, owners)
         return mine
@@ -377,10 +378,11 @@ class ShardedAllReduce(CollectiveAllReduce):
             def exchange(piece, sending=sending, leads=owner == 0):
                 if sending or not (leads or BROADCAST_FROM_ANY_TASK):  # an all-reduce: everyone sends
                     self._sent_bytes += piece.shape.num_elements() * piece.dtype.size
-                return collective_broadcast_from(piece, sending, leads, self._size, GROUP_KEY, next(_instance_keys),
-                                                 self._timeout, device=_device(self._config))
+                return collective_broadcast_from(piece, sending, leads, self._size, GROUP_KEY,
+                                                 wire.next_instance_key(), self._timeout,
+                                                 device=wire.device(self._config))
 
-            received, count = _packed(values, self._buffer_bytes, exchange)
+            received, count = wire.packed(values, self._buffer_bytes, exchange)
             self._broadcasts += count
             if sending:
                 done.append(tf.group(*received, name="sent_%d" % owner))

@@ -57,7 +57,7 @@ optimizer's internal apply ops out of ``TRAIN_OP``.
 """
 import collections
 
-from gradaccum._compat import tf, v1_control_flow
+from gradaccum._compat import is_resource_variable, tf, v1_control_flow
 from gradaccum.window.gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
 from gradaccum.window.state import state_variable
 from gradaccum.window.observers import MicroBatch, WindowUpdate
@@ -240,9 +240,31 @@ def build(config, grads_and_vars, pairs, step):
     Example:
       >>> window = build(config, gv, gv, Step(step, None, None, [], None, False))
     """
+    check_reducer(config)
     if config.size.k == 1:
         return _build_direct(config, grads_and_vars, pairs, step)
     return _build_window(config, pairs, step)
+
+
+def check_reducer(config):
+    """Refuses, in one line, ``skip_nonfinite=True`` with a reducer whose workers skip apart (``skips_alike``).
+
+    Args:
+      config: the accumulator's :data:`Config`.
+
+    Raises:
+      ValueError: for that combination (``AllReduceOnApply``, Horovod's).
+
+    Example:
+      >>> check_reducer(config)
+    """
+    if config.skip_nonfinite and config.reducer is not None and not config.reducer.skips_alike:
+        raise ValueError(
+            "`skip_nonfinite=True` cannot be combined with %s: a skipped window is decided per rank, so ranks "
+            "can disagree and the others wait in the all-reduce for ever; leave skip_nonfinite off and wrap a "
+            "loss-scale optimizer inside %s (it tests the reduced gradients, the same on every rank), or use "
+            "CollectiveAllReduce, which skips on every worker together"
+            % (type(config.reducer).__name__, type(config.reducer).__name__))
 
 
 # ------------------------------------------------------------ k = 1, static
@@ -285,6 +307,53 @@ def _direct_sums(config, pairs, weight):
     if config.clip_norm is not None and _has_sparse(pairs):
         sparse_sq = _sparse_sq_norm([g for g, _ in pairs], weight, tf.float32)
     return _Sums(summed, total, sparse_sq, None)
+
+
+def reduce_and_apply(reducer, grads_and_vars, global_step=None, name=None, weight=None):
+    """A reducer's update without an accumulator: the k = 1 window, with no state of its own.
+
+    Weigh, reduce (``reducer.reduce``), divide by the summed weight, apply
+    through ``reducer.apply_reduced`` with ``global_step`` counted once
+    (:func:`counted_apply`); when the summed weight is 0 nothing is applied
+    and ``global_step`` does not move. No clip, no observers, no skip
+    counter: it creates no variables (a checkpoint sees only the reducer's
+    own). Built as a train op is: v1 control flow around ref variables, the
+    inner apply ops kept out of ``TRAIN_OP``, the returned op put in it.
+
+    Args:
+      reducer: a ``gradaccum.Reducer``.
+      grads_and_vars: list of ``(gradient, variable)``; ``None`` gradients are left out.
+      global_step: optional variable, incremented once per applied update.
+      name: optional name of the returned op (default ``"train"``).
+      weight: None (weighs 1) or a scalar tensor.
+
+    Returns:
+      The train op.
+
+    Raises:
+      ValueError: when no gradient is given.
+
+    Example:
+      >>> train_op = reduce_and_apply(engine, grads_and_vars, global_step, weight=tf.shape(x)[0])
+    """
+    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+    if not pairs:
+        raise ValueError("`grads_and_vars` has no gradient for any variable")
+    ref_flow = any(not is_resource_variable(var) for var in [v for _, v in pairs] + [global_step]
+                   if var is not None)
+    config = Config(reducer, reducer.get_name(), WindowSize(k=1), None, None, False, [], reducer, False, ref_flow)
+    state = _State([], None, None, None, None, None, [], 0)
+    # A float32 weight, as the collective engine has always sent it.
+    weight = None if weight is None else tf.cast(weight, tf.float32)
+    graph = tf.compat.v1.get_default_graph()
+    with v1_control_flow(ref_flow), keep_train_ops(graph):
+        outer_scope = graph.get_name_scope()
+        with tf.compat.v1.name_scope(config.name):
+            done = _finish(_End(config, state, global_step, outer_scope), _direct_sums(config, pairs, weight),
+                           divide=True)
+        train_op = tf.group(done, name=name or "train")
+    graph.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, train_op)
+    return train_op
 
 
 # ------------------------------------------------------------ k > 1 or dynamic
@@ -395,6 +464,7 @@ def summed_state(config, pairs, step):
     Example:
       >>> state = summed_state(config, pairs, step)
     """
+    check_reducer(config)
     with tf.compat.v1.init_scope():
         sum_dtype = _sum_dtype(pairs, config.accumulation_dtype)
         skipped = state_variable("skipped_windows", [], tf.int64, _first(pairs))

@@ -68,6 +68,19 @@ class Reducer(WrappingOptimizer):
         """
         return False
 
+    @property
+    def skips_alike(self):
+        """Whether every worker decides alike to skip a window; True here.
+
+        The window decides skip (zero weight, ``skip_nonfinite``) on what
+        :meth:`reduce` returns. A reducer whose :meth:`reduce` keeps each
+        worker's window local while :meth:`apply_reduced` communicates
+        (``AllReduceOnApply``) says False: one worker could skip while the
+        others wait for it in the all-reduce, so the window refuses
+        ``skip_nonfinite=True`` with it, when the train op is built.
+        """
+        return True
+
     def reduce(self, sums_and_vars, total, extras):
         """Combines one window's sums over the workers (here: this worker's, unchanged).
 
