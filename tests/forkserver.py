@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 _POLL = 0.02  # Seconds between checks of a running program: short next to a program's seconds.
 
@@ -68,7 +67,8 @@ def _child(request):
         raise  # The interpreter turns it into the exit code and message, as for a fresh process.
     except BaseException:
         kind, error, trace = sys.exc_info()
-        traceback.print_exception(kind, error, trace.tb_next)  # Without this helper's frame.
+        # As the interpreter reports it, without this helper's frame.
+        sys.excepthook(kind, error.with_traceback(trace.tb_next), trace.tb_next)
         return 1
     return 0
 
