@@ -25,6 +25,10 @@ The rule (also stated in the README and the docs' README):
 
 The blocks choose their own TensorFlow behaviour, so they run in the
 ``--tf-mode=tf1`` session only; the ``tf2`` session checks the bash blocks.
+A ```python block runs in a child forked from one process that has imported
+TensorFlow and nothing else (``tests/forkserver.py``): a fresh process state
+without paying the import for each block, as if its first line were
+``import tensorflow``.
 Test ids name the file and the fence's line: ``docs/guides/towers.md:L42-python``.
 """
 import collections
@@ -36,6 +40,8 @@ import sys
 import textwrap
 
 import pytest
+
+import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120  # Seconds per block: a block should take < 20 s, TensorFlow's import included.
@@ -97,8 +103,20 @@ def _env():
 def _run(command, cwd):
     proc = subprocess.run(command, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           universal_newlines=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, "exit %d\n--- stdout\n%s\n--- stderr\n%s" % (
-        proc.returncode, proc.stdout[-3000:], proc.stderr[-5000:])
+    _check_exit(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _check_exit(returncode, stdout, stderr):
+    assert returncode == 0, "exit %d\n--- stdout\n%s\n--- stderr\n%s" % (
+        returncode, stdout[-3000:], stderr[-5000:])
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """The module's fork server: runs the python blocks, TensorFlow imported once."""
+    server = forkserver.ForkServer()
+    yield server
+    server.close()
 
 
 def _example_flags(script, seen=None):
@@ -144,7 +162,7 @@ def test_no_block_escapes_the_rules():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[_id(block) for block in BLOCKS])
-def test_block(block, tmp_path, tf_mode):
+def test_block(block, tmp_path, tf_mode, programs):
     if block.marker in SKIP_MARKERS:
         pytest.skip("marked %s" % block.marker)
     if block.language == "bash" and block.marker != RUN_MARKER:
@@ -155,7 +173,7 @@ def test_block(block, tmp_path, tf_mode):
     if block.language == "python":
         path = tmp_path / "doc_block.py"
         path.write_text(block.code, encoding="utf-8")
-        _run([sys.executable, str(path)], str(tmp_path))
+        _check_exit(*programs.run(str(path), str(tmp_path), _env(), TIMEOUT))
     else:
         _run(["bash", "-euo", "pipefail", "-c", block.code], ROOT)
 

@@ -1,0 +1,88 @@
+"""tests/forkserver.py runs a program as ``python program.py`` would: what the docs' blocks rely on.
+
+One server for the module (its TensorFlow import is the only slow part); each
+test checks one thing a fresh process gives a program: its own ``__main__``,
+argv, working directory and environment, its stdout and stderr, its exit
+status, and a timeout that kills it.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import forkserver
+
+ENV = dict(os.environ, FORKSERVER_PROBE="probe")  # One environment: the server restarts for another.
+
+
+@pytest.fixture(scope="module")
+def server():
+    handle = forkserver.ForkServer()
+    yield handle
+    handle.close()
+
+
+def _program(tmp_path, code):
+    path = tmp_path / "program.py"
+    path.write_text(textwrap.dedent(code), encoding="utf-8")
+    return str(path)
+
+
+def test_program_runs_as_main_in_its_folder_with_its_environment(server, tmp_path):
+    script = _program(tmp_path, """
+        import os, sys
+        import helper  # Beside the program: sys.path[0] is the program's folder.
+        assert __name__ == "__main__" and sys.modules["__main__"].__file__ == sys.argv[0] == __file__
+        print(os.getcwd(), os.environ["FORKSERVER_PROBE"], helper.VALUE, "tensorflow" in sys.modules)
+        sys.stderr.write("to stderr\\n")
+    """)
+    (tmp_path / "helper.py").write_text("VALUE = 7\n", encoding="utf-8")
+    returncode, stdout, stderr = server.run(script, str(tmp_path), ENV, 60)
+    assert (returncode, stdout, stderr.splitlines()[-1]) == (0, "%s probe 7 True\n" % tmp_path, "to stderr"), stderr
+
+
+def test_programs_do_not_see_each_others_state(server, tmp_path):
+    script = _program(tmp_path, """
+        import sys, tensorflow as tf
+        assert not hasattr(sys, "forkserver_mark"), "state left by the previous program"
+        assert tf.executing_eagerly(), "a behaviour chosen by the previous program"
+        sys.forkserver_mark = True
+        tf.compat.v1.disable_eager_execution()
+    """)
+    for _ in range(2):
+        assert server.run(script, str(tmp_path), ENV, 60)[0] == 0
+
+
+@pytest.mark.parametrize("code, want_status, want_stderr", [
+    ("import sys\nsys.exit(3)\n", 3, ""),
+    ("import sys\nsys.exit('bad input')\n", 1, "bad input\n"),
+    ("def f():\n    raise ValueError('broken')\nf()\n", 1, "ValueError: broken\n"),
+], ids=["exit-3", "exit-message", "exception"])
+def test_exit_status_and_message_are_a_fresh_processes(server, tmp_path, code, want_status, want_stderr):
+    script = _program(tmp_path, code)
+    fresh = subprocess.run([sys.executable, script], cwd=str(tmp_path), env=ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+    returncode, _, stderr = server.run(script, str(tmp_path), ENV, 60)
+    assert returncode == fresh.returncode == want_status
+    assert stderr.endswith(want_stderr) and fresh.stderr.endswith(want_stderr)
+    if "raise" in code:  # The same traceback: the program's frames, not the server's.
+        assert stderr == fresh.stderr, (stderr, fresh.stderr)
+
+
+def test_timeout_kills_the_program_and_what_it_started(server, tmp_path):
+    marker = tmp_path / "survived"
+    script = _program(tmp_path, """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); open(%r, 'w').close()"])
+        print("started", flush=True)
+        time.sleep(60)
+    """ % str(marker))
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        server.run(script, str(tmp_path), ENV, 1)
+    assert info.value.output == "started\n"
+    time.sleep(4)
+    assert not marker.exists(), "the program's child outlived the timeout"
+    assert server.run(_program(tmp_path, "pass\n"), str(tmp_path), ENV, 60)[0] == 0
