@@ -1,0 +1,130 @@
+"""``gradaccum.recompute``: a recomputed block trains exactly as the plain block.
+
+Each check builds the same float64 model twice, in fresh graphs from the
+same seeds, once plain and once with its blocks wrapped in
+``gradaccum.recompute``, and compares the variables and the optimizer's slots
+after several updates, in the fused train op (one run per micro-batch) and
+in ``subdivisions.minimize`` (the micro-batches in a ``tf.while_loop``).
+Under ``--tf-mode=tf1`` the blocks' variables are TF1 reference variables,
+under ``--tf-mode=tf2`` resource variables. Without dropout every value is
+bit-identical on CPU; with dropout, Grappler rewrites the dropout product of
+the two graphs differently (bit-identical with its meta-optimizer off), so
+those compare to 1e-12.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradaccum
+from gradaccum._compat import is_resource_variable
+from test_subdivisions import DENSE_ONLY, OPTIMIZERS, _assert_equal_values, _batches, _placeholders, \
+    _subdivided, _values
+
+v1 = tf.compat.v1
+K = 4
+
+
+def _block(h, ids, index, sparse=True, dropout=False, batch_norm=None):
+    """A residual block: dense + tanh, a table looked up by ``ids`` (a gather: sparse gradient)."""
+    with v1.variable_scope("block_%d" % index):
+        w = v1.get_variable("w", dtype=tf.float64,
+                            initializer=np.linspace(-0.6, 0.6, 16).reshape(4, 4) * (index + 1) ** 0.5)
+        table = v1.get_variable("table", dtype=tf.float64, initializer=np.linspace(-1, 1, 20).reshape(5, 4))
+        inner = tf.matmul(h, w)
+        if batch_norm == "tf":
+            inner = v1.layers.batch_normalization(inner, training=True)
+        elif batch_norm == "window":
+            inner = gradaccum.batch_normalization(inner, training=True)
+        inner = tf.nn.tanh(inner)
+        rows = tf.gather(table, ids) if sparse else tf.matmul(tf.one_hot(ids, 5, dtype=tf.float64), table)
+        inner = inner * rows
+        if dropout:
+            inner = tf.nn.dropout(inner, rate=0.25, seed=index + 1)
+        return h + inner
+
+
+def make_model(recomputed, blocks=3, **options):
+    """A ``model_fn(x, ids, y)`` of ``blocks`` residual blocks, recomputed or not, and a linear head."""
+    def model_fn(x, ids, y):
+        block = gradaccum.recompute(_block) if recomputed else _block
+        h = x
+        for index in range(blocks):
+            h = block(h, ids, index, **options)
+        head = v1.get_variable("head", dtype=tf.float64, initializer=np.array([[0.3], [-0.2], [0.1], [0.5]]))
+        return tf.reduce_mean(tf.square(tf.matmul(h, head)[:, 0] - y))
+    return model_fn
+
+
+def _fused(make_opt, batches, model_fn, k=K):
+    """The fused train op: k runs per update, each micro-batch weighted by its size."""
+    with tf.Graph().as_default():
+        v1.set_random_seed(7)
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(make_opt(), k)
+        step = v1.train.get_or_create_global_step()
+        train_op = acc.minimize(model_fn(*feeds), global_step=step, weight=tf.shape(feeds[0])[0])
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                for part in zip(*[np.array_split(array, k) for array in batch]):
+                    sess.run(train_op, dict(zip(feeds, part)))
+            return _values(sess, acc)
+
+
+def _with_seed(model_fn):
+    """``model_fn``, setting the graph's seed first (dropout's op seeds then match between graphs)."""
+    def seeded(*tensors):
+        if not hasattr(seeded, "done"):
+            v1.set_random_seed(7)
+            seeded.done = True
+        return model_fn(*tensors)
+    return seeded
+
+
+def _assert_identical(actual, expected):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(actual[name], expected[name], err_msg=name)
+
+
+# ------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_fused_train_op_is_bit_identical(opt_name):
+    sparse = opt_name not in DENSE_ONLY
+    batches = _batches()
+    expected = _fused(OPTIMIZERS[opt_name], batches, make_model(False, sparse=sparse))
+    actual = _fused(OPTIMIZERS[opt_name], batches, make_model(True, sparse=sparse))
+    _assert_identical(actual, expected)
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_one_run_per_update_is_bit_identical(opt_name):
+    sparse = opt_name not in DENSE_ONLY
+    batches = _batches()
+    expected = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(False, sparse=sparse))[0]
+    actual = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(True, sparse=sparse))[0]
+    _assert_identical(actual, expected)
+
+
+@pytest.mark.parametrize("form", ["fused", "subdivisions"])
+def test_dropout_draws_the_same_values_in_the_recomputation(form):
+    batches = _batches()
+    if form == "fused":
+        expected = _fused(OPTIMIZERS["adam"], batches, make_model(False, dropout=True))
+        actual = _fused(OPTIMIZERS["adam"], batches, make_model(True, dropout=True))
+    else:
+        expected = _subdivided(OPTIMIZERS["adam"], batches, model=_with_seed(make_model(False, dropout=True)))[0]
+        actual = _subdivided(OPTIMIZERS["adam"], batches, model=_with_seed(make_model(True, dropout=True)))[0]
+    _assert_equal_values(actual, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_variables_are_reference_or_resource_as_the_mode_makes_them(tf_mode):
+    with tf.Graph().as_default():
+        loss = make_model(True)(*_placeholders())
+        grads = v1.train.GradientDescentOptimizer(0.1).compute_gradients(loss)
+        kinds = {is_resource_variable(var) for _, var in grads}
+        assert kinds == {tf_mode == "tf2"}
+        sparse = {var.op.name for grad, var in grads if isinstance(grad, tf.IndexedSlices)}
+        assert sparse == {"block_%d/table" % i for i in range(3)}  # The gathers' gradients stay sparse.
