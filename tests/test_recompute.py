@@ -128,3 +128,128 @@ def test_variables_are_reference_or_resource_as_the_mode_makes_them(tf_mode):
         assert kinds == {tf_mode == "tf2"}
         sparse = {var.op.name for grad, var in grads if isinstance(grad, tf.IndexedSlices)}
         assert sparse == {"block_%d/table" % i for i in range(3)}  # The gathers' gradients stay sparse.
+
+
+# ------------------------------------------------------------------ update ops, towers
+
+
+@pytest.mark.parametrize("batch_norm", ["tf", "window"])
+@pytest.mark.parametrize("form", ["fused", "subdivisions"])
+def test_batch_norm_updates_run_once_per_micro_batch(batch_norm, form):
+    """Moving averages (and window statistics) equal the plain model's: no update op is recomputed."""
+    batches = _batches(2)
+
+    def run(recomputed):
+        model_fn = make_model(recomputed, blocks=2, batch_norm=batch_norm)
+        if form == "fused":
+            return _fused(OPTIMIZERS["momentum"], batches, model_fn)
+        return _subdivided(OPTIMIZERS["momentum"], batches, model=model_fn)[0]
+    expected, actual = run(False), run(True)
+    assert any("moving_mean" in name for name in expected)
+    # The batch mean's gradient sums its paths in another order: equal to rounding, not bit for bit.
+    _assert_equal_values(actual, expected, rtol=1e-12, atol=1e-15)
+
+
+def _stateful_op_counts(model_fn):
+    """The number of stateful ops of each type in the graph of ``model_fn`` with its gradients."""
+    with tf.Graph().as_default() as graph:
+        loss = model_fn(*_placeholders())
+        v1.gradients(loss, v1.trainable_variables())
+        counts = {}
+        for op in graph.get_operations():
+            if op.op_def.is_stateful and op.type not in ("VariableV2", "VarHandleOp", "ReadVariableOp"):
+                counts[op.type] = counts.get(op.type, 0) + 1
+        return counts
+
+
+def test_no_update_op_is_copied_into_the_backward_pass():
+    assert _stateful_op_counts(make_model(True, batch_norm="tf")) == _stateful_op_counts(
+        make_model(False, batch_norm="tf"))
+
+
+def _towers(recomputed, batches):
+    with tf.Graph().as_default() as graph:
+        feeds = _placeholders()
+        opt = OPTIMIZERS["adam"]()
+        step = v1.train.get_or_create_global_step()
+        result = gradaccum.tower.minimize(opt, make_model(recomputed), feeds, devices=["/cpu:0", "/cpu:1"],
+                                          global_step=step)
+        config = v1.ConfigProto(device_count={"CPU": 2})
+        with v1.Session(graph=graph, config=config) as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                sess.run(result.train_op, dict(zip(feeds, batch)))
+            return _values(sess, opt)
+
+
+def test_tower_minimize_on_two_devices_is_bit_identical():
+    batches = _batches(2)
+    _assert_identical(_towers(True, batches), _towers(False, batches))
+
+
+# ------------------------------------------------------------------ order, not merged
+
+
+def test_recomputation_waits_for_the_incoming_gradient_and_is_not_merged():
+    with tf.Graph().as_default() as graph:
+        feeds = _placeholders()
+        loss = make_model(True)(*feeds)
+        train_op = v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        routers = [op for op in graph.get_operations() if op.type == "IdentityN"]
+        assert len(routers) == 3
+        # Every tensor the copy reads from the forward pass goes through an identity that waits for the
+        # gradient of the block's output: nothing recomputes before it is needed.
+        gates = [op for op in graph.get_operations()
+                 if op.type == "Identity" and "/recompute/" in op.name and op.control_inputs]
+        assert len(gates) >= 3 * 3  # Each block's input, table and kernel.
+        for gate in gates:
+            assert all("gradients" in control.name for control in gate.control_inputs), gate.name
+        options = v1.RunOptions(trace_level=v1.RunOptions.FULL_TRACE)
+        metadata = v1.RunMetadata()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(train_op, dict(zip(feeds, _batches(1)[0])), options=options, run_metadata=metadata)
+        ran = [node.node_name for dev in metadata.step_stats.dev_stats for node in dev.node_stats]
+        # After Grappler, each block's forward matmul ran twice: in the forward pass and in the copy.
+        assert len([name for name in ran if name.endswith("/recompute/MatMul")]) == 3, ran
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _refused(block, *args):
+    with tf.Graph().as_default():
+        x = v1.placeholder(tf.float64, [None, 4])
+        with pytest.raises(ValueError) as error:
+            gradaccum.recompute(block)(x, *args)
+        return str(error.value)
+
+
+def test_stateful_op_in_the_block_is_refused_by_name():
+    def counting(x):
+        counter = v1.get_variable("counter", dtype=tf.float64, initializer=np.float64(0), trainable=False)
+        with tf.control_dependencies([v1.assign_add(counter, 1.0)]):
+            return tf.identity(x)
+    message = _refused(counting)
+    assert "stateful" in message and "'counting'" in message and "Assign" in message
+
+
+def test_v1_control_flow_in_the_block_is_refused(tf_mode):
+    if tf_mode == "tf2":
+        pytest.skip("control flow v2 builds If/While ops, copied as they are")
+
+    def branching(x):
+        return tf.cond(tf.reduce_sum(x) > 0, lambda: x * 2.0, lambda: x)
+    assert "v1 control flow" in _refused(branching)
+
+
+def test_nested_blocks_are_refused():
+    def outer(x):
+        return gradaccum.recompute(tf.nn.tanh)(x) * 2.0
+    assert "another recomputed block" in _refused(outer)
+
+
+def test_a_block_without_tensor_outputs_and_a_non_callable_are_refused():
+    assert "must return a tensor" in _refused(lambda x: None)
+    with pytest.raises(TypeError, match="`block` must be callable, got"):
+        gradaccum.recompute(3)

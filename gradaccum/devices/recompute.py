@@ -44,13 +44,16 @@ _RANDOM_OPS = frozenset([
 ])
 # Stateful ops that have done their work in the forward pass: not run again.
 _ONCE_OPS = frozenset(["Assert", "Print", "PrintV2"])
+# Read as they are, without waiting for the gradient: constants (gradient functions and Grappler fold them).
+_CONSTANT_OPS = frozenset(["Const", "HostConst"])
 # Tensors of these ops are read as they are: variables, their values, and what a loop or function captures.
 _BOUNDARY_OPS = frozenset([
     "VariableV2", "Variable", "VarHandleOp", "ReadVariableOp", "Placeholder", "PlaceholderWithDefault",
-    "Enter", "RefEnter", "Const", "ResourceGather", "ResourceGatherNd",
+    "Enter", "RefEnter", "Switch", "RefSwitch", "ResourceGather", "ResourceGatherNd",
 ])
-# v1 control flow cannot be copied op by op.
-_CONTROL_FLOW_OPS = frozenset(["Switch", "RefSwitch", "Merge", "RefMerge", "Exit", "RefExit", "NextIteration",
+# v1 control flow cannot be copied op by op. (An Enter or Switch is what an enclosing loop or condition
+# captures a tensor through: part of the boundary; a block's own loop or condition ends in these.)
+_CONTROL_FLOW_OPS = frozenset(["Merge", "RefMerge", "Exit", "RefExit", "NextIteration",
                                "RefNextIteration", "LoopCond"])
 _registered = []
 
@@ -186,7 +189,7 @@ class _Plan(object):
 
     def _kept_as_is(self, op):
         """True for an op whose forward outputs the copy reads; raises for an op that cannot be copied."""
-        if op.type in _RANDOM_OPS or op.type in _ONCE_OPS:
+        if op.type in _RANDOM_OPS or op.type in _ONCE_OPS or op.type in _CONSTANT_OPS:
             self.reused.add(op)
             return True
         if op.type in _CONTROL_FLOW_OPS:
@@ -196,7 +199,7 @@ class _Plan(object):
         if _is_recompute_op(op):
             raise ValueError("gradaccum.recompute cannot recompute block %s: it holds another recomputed block "
                              "(op %r); mark either the outer block or the inner ones" % (self.name, op.name))
-        if op.op_def.is_stateful:
+        if op.op_def.is_stateful or any(arg.is_ref for arg in op.op_def.input_arg):  # Assign is not marked.
             raise ValueError("gradaccum.recompute cannot recompute block %s: its op %r of type %s is stateful "
                              "(recomputing it would run it twice); build it outside the block"
                              % (self.name, op.name, op.type))
