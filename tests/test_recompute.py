@@ -93,7 +93,7 @@ def _assert_identical(actual, expected):
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_fused_train_op_is_bit_identical(opt_name):
     sparse = opt_name not in DENSE_ONLY
-    batches = _batches()
+    batches = _batches(2)
     expected = _fused(OPTIMIZERS[opt_name], batches, make_model(False, sparse=sparse))
     actual = _fused(OPTIMIZERS[opt_name], batches, make_model(True, sparse=sparse))
     _assert_identical(actual, expected)
@@ -102,7 +102,7 @@ def test_fused_train_op_is_bit_identical(opt_name):
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_one_run_per_update_is_bit_identical(opt_name):
     sparse = opt_name not in DENSE_ONLY
-    batches = _batches()
+    batches = _batches(2)
     expected = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(False, sparse=sparse))[0]
     actual = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(True, sparse=sparse))[0]
     _assert_identical(actual, expected)
@@ -253,3 +253,94 @@ def test_a_block_without_tensor_outputs_and_a_non_callable_are_refused():
     assert "must return a tensor" in _refused(lambda x: None)
     with pytest.raises(TypeError, match="`block` must be callable, got"):
         gradaccum.recompute(3)
+
+
+# ------------------------------------------------------------------ gradients=
+
+
+def _tf_gradients(loss, variables, grad_loss):
+    # tf.compat.v1.gradients: TF 2.x's tf.gradients colocates every gradient op with its forward op,
+    # which tower.minimize's device functions contradict for ops that live beside a variable.
+    return v1.gradients(loss, variables, grad_ys=grad_loss)
+
+
+class _Recording(object):
+    """A gradient function that records what it is given, then calls tf.compat.v1.gradients."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, loss, variables, grad_loss):
+        self.calls.append((loss, list(variables), grad_loss))
+        return _tf_gradients(loss, variables, grad_loss)
+
+
+def _accumulated(form, batches, model_fn, **accumulator_args):
+    """Values after ``batches`` with an accumulator of k = 4 built with ``accumulator_args``, in ``form``."""
+    def make_opt():
+        return OPTIMIZERS["adam"]()
+    if form == "subdivisions":
+        return _subdivided(make_opt, batches, model=model_fn, **accumulator_args)
+    if form == "towers":
+        with tf.Graph().as_default() as graph:
+            feeds = _placeholders()
+            acc = gradaccum.GradientAccumulator(make_opt(), K, **accumulator_args)
+            result = gradaccum.tower.minimize(acc, model_fn, feeds, devices=["/cpu:0", "/cpu:1"],
+                                              global_step=v1.train.get_or_create_global_step())
+            with v1.Session(graph=graph, config=v1.ConfigProto(device_count={"CPU": 2})) as sess:
+                sess.run(v1.global_variables_initializer())
+                for batch in batches:
+                    for part in zip(*[np.array_split(array, K) for array in batch]):
+                        sess.run(result.train_op, dict(zip(feeds, part)))
+                return (_values(sess, acc),)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(make_opt(), K, **accumulator_args)
+        train_op = acc.minimize(model_fn(*feeds), global_step=v1.train.get_or_create_global_step(),
+                                weight=tf.shape(feeds[0])[0])
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                for part in zip(*[np.array_split(array, K) for array in batch]):
+                    sess.run(train_op, dict(zip(feeds, part)))
+            return (_values(sess, acc),)
+
+
+@pytest.mark.parametrize("form", ["fused", "subdivisions", "towers"])
+def test_gradient_function_replaces_tensorflows_in_every_form(form):
+    batches = _batches(2)
+    expected = _accumulated(form, batches, make_model(False))[0]
+    recording = _Recording()
+    actual = _accumulated(form, batches, make_model(True), gradients=recording)[0]
+    _assert_identical(actual, expected)
+    assert recording.calls, "the function was not called"
+    for loss, variables, grad_loss in recording.calls:
+        assert len(variables) == 7  # 3 blocks x (kernel, table) and the head
+        if grad_loss is not None:  # The micro-batch weight, carried by backprop: the loss's dtype and shape.
+            assert grad_loss.dtype == loss.dtype and grad_loss.shape == loss.shape
+    if form == "subdivisions":  # The first micro-batch, and the loop's body.
+        assert len(recording.calls) == 2 and all(call[2] is not None for call in recording.calls)
+
+
+def test_gradient_function_reaches_the_loop_under_a_reducer():
+    """Inside the loop the reducer's wrapped optimizer differentiates: with the function too."""
+    from test_subdivisions import _CountingReducer
+    recording = _Recording()
+    with tf.Graph().as_default():
+        acc = gradaccum.GradientAccumulator(_CountingReducer(OPTIMIZERS["sgd"]()), K, gradients=recording)
+        gradaccum.subdivisions.minimize(acc, make_model(False), _placeholders())
+    assert len(recording.calls) == 2
+
+
+def test_gradient_function_errors():
+    with pytest.raises(TypeError, match="`gradients` must be None or a callable .*got 'tf.gradients'"):
+        gradaccum.GradientAccumulator(OPTIMIZERS["sgd"](), K, gradients="tf.gradients")
+    with tf.Graph().as_default():
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["sgd"](), K, gradients=lambda loss, variables, g: [None])
+        with pytest.raises(ValueError, match="`gradients` must return a list of one gradient .* per variable, 7"):
+            acc.minimize(make_model(False)(*_placeholders()))
+    loss_scaled = [t for t in gradaccum._compat.loss_scale_optimizer_types()][0]
+    innermost = loss_scaled.__new__(loss_scaled)  # A loss-scale optimizer whose inner one is out of reach.
+    v1.train.Optimizer.__init__(innermost, False, "scaled")
+    with pytest.raises(ValueError, match="`gradients` .* would replace the loss scaling of"):
+        gradaccum.GradientAccumulator(innermost, K, gradients=_tf_gradients)

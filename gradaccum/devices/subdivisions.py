@@ -38,7 +38,7 @@ import contextlib
 
 from gradaccum.devices import splitting
 from gradaccum import _validate
-from gradaccum.window import pipeline
+from gradaccum.window import custom_gradients, pipeline
 from gradaccum.devices import tower
 from gradaccum._compat import tf, v1_control_flow
 from gradaccum.window.gradients import weighted
@@ -337,7 +337,8 @@ def _micro_batch(model, source, keep, var_list=None, optimizer=None):
         del updates[before:]
     in_backprop = weight_in_backprop(model.optimizer, loss, weight, var_list)
     grad_loss = weighted_grad_loss(loss, None, weight) if in_backprop else None
-    pairs = optimizer.compute_gradients(loss, var_list=var_list, grad_loss=grad_loss)
+    with custom_gradients.differentiating(optimizer, model.optimizer.gradients):  # Also with a reducer's optimizer.
+        pairs = optimizer.compute_gradients(loss, var_list=var_list, grad_loss=grad_loss)
     if var_list is None:
         pairs = [(grad, var) for grad, var in pairs if grad is not None]
         if not pairs:
