@@ -73,6 +73,9 @@ def parse_args(argv=None):
     parser = harness.OneLineParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, fewer children: the trend only")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --json: keep PATH's other keys; this run's date, machine, load and command "
+                             "go under '<families>_run'")
     parser.add_argument("--tf-mode", choices=("tf1", "tf2"), default="tf1",
                         help="tf1: disable_v2_behavior() (default); tf2: disable_eager_execution() only")
     parser.add_argument("--family", action="append", choices=families(), help="run only these (repeatable)")
@@ -252,6 +255,26 @@ def update_docs(path, summary):
         stream.write(head + DOCS_BEGIN + "\n" + "\n".join(lines) + "\n" + DOCS_END + tail)
 
 
+_RUN_KEYS = ("date", "quick", "mode", "machine", "tensorflow", "seconds", "load_average", "command", "failures")
+
+
+def _merged(path, summary, family_names):
+    """``path``'s figures with this run's added: its own run facts under ``"<families>_run"``, ``raw`` and
+    ``verdicts`` merged per key, the other keys replaced."""
+    try:
+        with open(path) as stream:
+            merged = json.load(stream)
+    except (OSError, ValueError):
+        merged = {}
+    for key, value in summary.items():
+        if key in ("raw", "verdicts"):
+            merged.setdefault(key, {}).update(value)
+        elif key not in _RUN_KEYS:
+            merged[key] = value
+    merged["_".join(family_names) + "_run"] = dict((key, summary[key]) for key in _RUN_KEYS)
+    return merged
+
+
 def main(argv=None):
     """Runs the chosen families, prints and writes the markdown, writes the JSON; returns the exit status."""
     args = parse_args(argv)
@@ -287,8 +310,9 @@ def main(argv=None):
     with open(os.path.join(args.output_dir, "results_quick.md" if args.quick else "results.md"), "w") as stream:
         stream.write(text)
     if args.json:
+        written = _merged(args.json, summary, args.family) if args.merge else summary
         with open(args.json, "w") as stream:
-            json.dump(summary, stream, indent=1, sort_keys=True)
+            json.dump(written, stream, indent=1, sort_keys=True)
             stream.write("\n")
     sys.stdout.write(text)
     if args.update_docs:

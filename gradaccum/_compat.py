@@ -63,6 +63,22 @@ def is_resource_variable(var):
     return hasattr(var, "handle") and not var.dtype._is_ref_dtype
 
 
+def is_ref_tensor(tensor):
+    """Tells whether ``tensor`` is a TF1 reference (a ``VariableV2`` output, or what forwards one).
+
+    Args:
+      tensor: a graph ``tf.Tensor``.
+
+    Returns:
+      True for a tensor of a ``*_ref`` dtype.
+
+    Example:
+      >>> is_ref_tensor(tf.compat.v1.get_variable("w", [2])._ref())  # TF1 behaviour
+      True
+    """
+    return tensor.dtype._is_ref_dtype  # Private, in TF 1.15 to 2.x; as is_resource_variable above.
+
+
 def is_variable(value):
     """Tells whether ``value`` is a graph variable that an optimizer can update.
 

@@ -41,7 +41,7 @@ from gradaccum._compat import tf, v1_control_flow, visible_gpus
 from gradaccum.devices import splitting
 from gradaccum.devices.model import check_model_fn, checked_var_list, read_result, resolved_var_list, tower_scope
 from gradaccum.devices.placement import device_function, placement as checked_placement
-from gradaccum.window import pipeline
+from gradaccum.window import custom_gradients, pipeline
 from gradaccum.window.accumulator import GradientAccumulator, weighted_grad_loss
 from gradaccum.window.gradients import weighted
 from gradaccum.window.observers import MicroBatch
@@ -356,7 +356,8 @@ def _micro_batch(model, source, keep, var_list=None, optimizer=None):
         del updates[before:]
     in_backprop = model.optimizer.builder.weight_in_backprop(loss, weight, var_list)
     grad_loss = weighted_grad_loss(loss, None, weight) if in_backprop else None
-    pairs = optimizer.compute_gradients(loss, var_list=var_list, grad_loss=grad_loss)
+    with custom_gradients.differentiating(optimizer, model.optimizer.gradients):  # Also with a reducer's optimizer.
+        pairs = optimizer.compute_gradients(loss, var_list=var_list, grad_loss=grad_loss)
     pairs = [(grad, var) for grad, var in pairs if grad is not None]
     if not pairs:
         raise ValueError("No gradients provided for any variable: `model_fn`'s loss %s depends on no "

@@ -26,6 +26,7 @@ Logging: a train op with k > 1 and a ``global_step`` installs
 from gradaccum import _validate
 from gradaccum.window import pipeline
 from gradaccum.window import logfilter
+from gradaccum.window import custom_gradients
 from gradaccum.window import statistics as _statistics
 from gradaccum._compat import in_control_flow, is_resource_variable, loss_scale_optimizer_types, tf, v1_control_flow
 from gradaccum.window.update_ops import chosen_update_ops, graph_update_ops, split_update_ops
@@ -90,17 +91,27 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
       observers: ``None`` or a list of :class:`gradaccum.WindowObserver`.
       loss_scaling: whether the wrapped optimizer skips non-finite updates
         itself; ``None``: True when it is, or wraps, TF's loss-scale optimizer.
+      gradients: ``None`` (TensorFlow's gradients), or a callable ``(loss,
+        variables, grad_loss) -> list`` of one gradient (or ``None``) per
+        variable, used by ``compute_gradients`` in the fused train op,
+        ``tower.minimize`` and ``subdivisions.minimize`` (a rewrite such as
+        ``memory_saving_gradients.gradients``). It replaces the innermost
+        wrapped optimizer's differentiation only: the optimizers between act
+        as usual. ``grad_loss`` is ``None`` or a float tensor of the loss's
+        dtype and shape (the micro-batch weight, when backprop carries it).
       name: the name scope of the ops and of the state variables.
 
     Raises:
       TypeError: when ``optimizer`` is not a v1 optimizer, or is itself a
         ``GradientAccumulator``; when ``clip_norm`` is not a number,
         ``skip_nonfinite``, ``statistics`` or ``loss_scaling`` not a bool,
-        or ``observers`` not a list of ``WindowObserver``.
+        or ``observers`` not a list of ``WindowObserver``; when ``gradients``
+        is neither None nor callable.
       ValueError: when ``num_micro_batches`` is not an int >= 1, a scalar
         integer tensor, a callable or a policy, ``clip_norm``
         is not > 0, ``accumulation_dtype`` is not float32 or float64,
-        ``name`` is empty, or ``loss_scaling=True`` with ``ShardedAllReduce``.
+        ``name`` is empty, ``loss_scaling=True`` with ``ShardedAllReduce``,
+        or ``gradients`` would replace a loss-scale optimizer's scaling.
 
     Example:
       >>> opt = gradaccum.GradientAccumulator(
@@ -113,7 +124,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
 
     def __init__(self, optimizer, num_micro_batches, *, clip_norm=None, accumulation_dtype=None,
                  skip_nonfinite=False, statistics=False, observers=None, loss_scaling=None,
-                 name="GradientAccumulator"):
+                 name="GradientAccumulator", gradients=None):
         super(GradientAccumulator, self).__init__(optimizer, name)  # Checks `optimizer` and `name` first.
         if isinstance(optimizer, GradientAccumulator):
             raise TypeError(
@@ -136,6 +147,7 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         # Facts about the wrapped chain, which never changes: read once, not per build step.
         self._reducer = optimizer if isinstance(optimizer, Reducer) else None
         self._loss_scaled = _loss_scaled(optimizer, loss_scaling, self._reducer)
+        self._gradients = custom_gradients.check_function(gradients, optimizer)
         self._windows = []
         self._config = pipeline.Config(self._reducer or self._optimizer, self._name, self._size, self._clip_norm,
                                        self._accumulation_dtype, self._skip_nonfinite, self._observers,
@@ -159,6 +171,27 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
     def builder(self):
         """The :class:`WindowBuilder` through which gradaccum's forms build this accumulator's windows."""
         return self._builder
+
+    @property
+    def gradients(self):
+        """The gradient function given as ``gradients``, or ``None`` (TensorFlow's)."""
+        return self._gradients
+
+    def compute_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's ``compute_gradients``, differentiating with ``gradients`` when given.
+
+        Args:
+          *args: as ``tf.compat.v1.train.Optimizer.compute_gradients``.
+          **kwargs: as ``tf.compat.v1.train.Optimizer.compute_gradients``.
+
+        Returns:
+          The list of ``(gradient, variable)`` pairs.
+
+        Example:
+          >>> grads_and_vars = opt.compute_gradients(loss)
+        """
+        with custom_gradients.differentiating(self._optimizer, self._gradients):
+            return super(GradientAccumulator, self).compute_gradients(*args, **kwargs)
 
     @property
     def clip_norm(self):
