@@ -34,7 +34,7 @@ for ever otherwise; TF 1.15's has no timeout of its own).
 Every worker must build the same collective ops in the same order: each gets
 the next instance key of a process-wide counter (the group key is
 :data:`GROUP_KEY`). How tensors travel (packing, instance keys, the group of
-a config) is :mod:`gradaccum.distributed.wire`, shared with the sharded engine.
+a config) is ``gradaccum.distributed.wire``, shared with the sharded engine.
 
 :func:`synchronized_batch_norm` extends ``gradaccum.batch_normalization``'s
 synchronized statistics from the towers of one session to every worker: its
@@ -480,7 +480,7 @@ class AllReduceOnApply(Reducer):
 
     @property
     def skips_alike(self):
-        """False: :meth:`reduce` keeps each rank's window, so ranks decide a skip apart.
+        """Not here: ``reduce`` keeps each rank's window, so ranks decide a skip apart.
 
         So a ``GradientAccumulator(..., skip_nonfinite=True)`` around it is
         refused when its train op is built (a rank that skipped would leave

@@ -3,7 +3,7 @@
 The layout: under a checkpoint directory shared by the job, worker ``r`` of
 ``P`` saves with its own ``tf.compat.v1.train.Saver()`` (every global
 variable of its graph) into ``<dir>/shard-<r>-of-<P>/``
-(:func:`shard_directory`; the names are :mod:`gradaccum.distributed.layout`'s),
+(:func:`shard_directory`; the names are ``gradaccum.distributed.layout``'s),
 at the same global steps as the others. A shard
 holds the whole model, ``global_step``, the worker's own accumulation state
 and the optimizer slots of the variables it owns (with Adam's beta powers):

@@ -28,7 +28,7 @@ task dies, never below M. The tasks resume from their last checkpoint (see
 its status, the number of workers now and, with ``--checkpoint-dir``, the
 global step of the newest checkpoint there. After a failure, with
 ``--checkpoint-dir``, it removes the temporary files of saves the failure
-interrupted there (see :func:`remove_save_temporaries`), and nothing else.
+interrupted there (see ``remove_save_temporaries``), and nothing else.
 After N restarts it gives up with the status above. Each task runs in its own process
 group, which is killed on every way out (normal exit, signal, exception, and
 via ``atexit``), and the launcher returns only once every process of those
