@@ -546,20 +546,93 @@ def _build(acc=None, inputs=None, model=_model, **kwargs):
     return feeds, gradaccum.subdivisions.minimize(acc, model, feeds, **kwargs)
 
 
-def test_a_batch_smaller_than_k_is_an_error_when_it_runs():
+@pytest.mark.parametrize("static", [True, False], ids=["static", "fed"])
+@pytest.mark.parametrize("size, towers", [(3, 1), (2, 3), (1, 2)])
+def test_a_batch_smaller_than_k_x_towers_is_exact_without_an_empty_micro_batch(size, towers, static):
+    """Each tower takes min(k, its shard) micro-batches; a tower without examples runs no model."""
+    batches = [tuple(part[:size] for part in batch) for batch in _batches()]
+    expected, _ = _plain(OPTIMIZERS["adam"], batches)
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        devices = ["/cpu:%d" % i for i in range(towers)]
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
+        step = v1.train.get_or_create_global_step()
+        if static:
+            inputs = [v1.placeholder_with_default(tf.constant(b, f.dtype), [size] + f.shape.as_list()[1:])
+                      for f, b in zip(feeds, batches[0])]
+            feeds = inputs
+        result = gradaccum.subdivisions.minimize(acc, _model, feeds, devices=devices, global_step=step)
+        with v1.Session(config=v1.ConfigProto(device_count={"CPU": towers})) as sess:
+            sess.run(v1.global_variables_initializer())
+            for batch in batches:
+                sess.run(result.train_op, dict(zip(feeds, batch)))
+            _assert_equal_values(_values(sess, acc), expected)
+
+
+def test_an_empty_batch_is_an_error_when_it_runs():
     with tf.Graph().as_default():
         feeds, result = _build()
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
-            with pytest.raises(tf.errors.InvalidArgumentError, match="must hold at least num_micro_batches"):
-                sess.run(result.train_op, {f: b[:3] for f, b in zip(feeds, _batches(1)[0])})
+            with pytest.raises(tf.errors.InvalidArgumentError, match="`inputs` must hold at least one example"):
+                sess.run(result.train_op, {f: b[:0] for f, b in zip(feeds, _batches(1)[0])})
 
 
-def test_a_static_batch_smaller_than_k_is_an_error_when_built():
+def test_an_empty_static_batch_is_an_error_when_built():
     with tf.Graph().as_default():
-        inputs = [tf.constant(X[:3]), tf.constant(IDS[:3]), tf.constant(Y[:3])]
-        with pytest.raises(ValueError, match=r"at least num_micro_batches x towers \(4\) examples, got a batch of 3"):
+        inputs = [tf.constant(X[:0]), tf.constant(IDS[:0]), tf.constant(Y[:0])]
+        with pytest.raises(ValueError, match=r"`inputs` must hold at least 1 example, got a batch of 0"):
             _build(inputs=inputs)
+
+
+def _sparse_model(x, ids, y):
+    """``_model`` with ``x`` given as a ``tf.SparseTensor``: its product through sparse_dense_matmul."""
+    w = v1.get_variable("w", dtype=tf.float64, initializer=np.array([[0.3], [-0.2], [0.1], [0.5]]))
+    table = v1.get_variable("table", dtype=tf.float64, initializer=np.linspace(-1, 1, 10).reshape(5, 2))
+    pred = tf.sparse.sparse_dense_matmul(x, w)[:, 0] + tf.reduce_sum(tf.gather(table, ids), 1)
+    return tf.reduce_mean(tf.square(pred - y))
+
+
+@pytest.mark.parametrize("towers", [1, 2])
+def test_sparse_inputs_are_sliced_exactly(towers):
+    """A ``tf.SparseTensor`` batch in micro-batches (rows renumbered) equals the dense batch's full step."""
+    batches = [(np.where(np.abs(b[0]) > 0.5, b[0], 0.0),) + tuple(b[1:]) for b in _batches()]
+
+    def dense_model(x, ids, y):
+        return _sparse_model(tf.sparse.from_dense(x), ids, y)
+
+    expected, _ = _plain(OPTIMIZERS["adam"], batches, model=dense_model)
+    with tf.Graph().as_default():
+        x = v1.sparse_placeholder(tf.float64, [None, 4])
+        feeds = [x] + _placeholders()[1:]
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 3)
+        result = gradaccum.subdivisions.minimize(acc, _sparse_model, feeds, global_step=v1.train.get_or_create_global_step(),
+                                                 devices=["/cpu:%d" % i for i in range(towers)])
+        with v1.Session(config=v1.ConfigProto(device_count={"CPU": towers})) as sess:
+            sess.run(v1.global_variables_initializer())
+            for dense, ids, y in batches:
+                indices = np.argwhere(dense != 0)
+                value = tf.compat.v1.SparseTensorValue(indices, dense[dense != 0], dense.shape)
+                sess.run(result.train_op, {x: value, feeds[1]: ids, feeds[2]: y})
+            _assert_equal_values(_values(sess, acc), expected)
+
+
+@pytest.mark.parametrize("towers, k", [(1, 4), (2, 3)])
+def test_per_example_outputs_come_back_in_batch_order(towers, k):
+    """``ModelResult.outputs`` of every micro-batch of every tower, concatenated: the whole batch's, in order."""
+    def model(x, ids, y):
+        return gradaccum.ModelResult(_model(x, ids, y), outputs={"twice": 2.0 * x, "ids": ids})
+
+    with tf.Graph().as_default():
+        feeds = _placeholders()
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["sgd"](), k)
+        result = gradaccum.subdivisions.minimize(acc, model, feeds, devices=["/cpu:%d" % i for i in range(towers)])
+        train_op, loss, k_run = result  # Still a 3-tuple.
+        with v1.Session(config=v1.ConfigProto(device_count={"CPU": towers})) as sess:
+            sess.run(v1.global_variables_initializer())
+            outputs, _ = sess.run([result.outputs, train_op], dict(zip(feeds, _batches(1)[0])))
+    np.testing.assert_array_equal(outputs["twice"], 2.0 * X)
+    np.testing.assert_array_equal(outputs["ids"], IDS)
 
 
 @pytest.mark.parametrize("arguments, error, message", [
@@ -567,19 +640,13 @@ def test_a_static_batch_smaller_than_k_is_an_error_when_built():
     ({"model": "loss"}, TypeError, "`model_fn` must be callable, got 'loss'"),
     ({"update_ops": "some"}, ValueError, "`update_ops` must be 'first', 'all' or a list of ops \\(\\[\\]: none\\), got 'some'"),
     ({"model": lambda x, ids, y: tf.square(y)}, ValueError, "must return a scalar loss"),
-    ({"model": lambda x, ids, y: (_model(x, ids, y), "two")}, TypeError, "`weight` must have a numeric dtype, got string"),
+    ({"model": lambda x, ids, y: gradaccum.ModelResult(_model(x, ids, y), weight="two")}, TypeError,
+     "`weight` must have a numeric dtype, got string"),
 ], ids=["optimizer", "model_fn", "update_ops", "non-scalar", "weight"])
 def test_bad_arguments_are_one_clear_error(arguments, error, message):
     with tf.Graph().as_default():
         with pytest.raises(error, match=message):
             _build(**arguments)
-
-
-def test_sparse_inputs_are_refused_in_one_line():
-    with tf.Graph().as_default():
-        sparse = tf.SparseTensor([[0, 0]], tf.constant([1.0], tf.float64), [23, 4])
-        with pytest.raises(ValueError, match="`inputs` must be dense tensors: the loop slices them along axis 0"):
-            _build(inputs=[sparse, v1.placeholder(tf.int32, [None]), v1.placeholder(tf.float64, [None])])
 
 
 def test_stage_2_sharding_is_refused():

@@ -25,9 +25,9 @@ def run_if(has_examples, build, first_outputs):
     Args:
       has_examples: a scalar bool tensor.
       build: a callable with no argument returning ``(loss, grads_and_vars,
-        outputs)``: a scalar loss, ``(gradient, variable)`` pairs (a gradient
-        may be ``None`` or an ``IndexedSlices``) and a list of per-example
-        tensors.
+        outputs)``: a scalar loss (or a list of scalars: a loss and a
+        weight), ``(gradient, variable)`` pairs (a gradient may be ``None``
+        or an ``IndexedSlices``) and a list of per-example tensors.
       first_outputs: the first tower's ``outputs``, whose shapes give the
         empty outputs theirs when the built ones' are not static.
 
@@ -42,12 +42,13 @@ def run_if(has_examples, build, first_outputs):
 
     def present():
         loss, grads_and_vars, outputs = build()
-        built.update(loss=loss, grads_and_vars=grads_and_vars, outputs=outputs)
-        return [loss] + _flat_gradients(grads_and_vars) + list(outputs)
+        scalars = loss if isinstance(loss, list) else [loss]
+        built.update(scalars=scalars, grads_and_vars=grads_and_vars, outputs=outputs)
+        return scalars + _flat_gradients(grads_and_vars) + list(outputs)
 
     def absent():
         # tf.cond builds `present` first, so `built` describes what to mirror.
-        zeros = [tf.zeros([], built["loss"].dtype)]
+        zeros = [tf.zeros([], scalar.dtype) for scalar in built["scalars"]]
         for grad, var in built["grads_and_vars"]:
             zeros.extend(_zero_gradient(grad, var))
         return zeros + [_no_rows(out, first) for out, first in zip(built["outputs"], first_outputs)]
@@ -57,7 +58,9 @@ def run_if(has_examples, build, first_outputs):
     with v1_control_flow():
         flat = tf.compat.v1.cond(has_examples, present, absent, strict=True, name="has_examples")
     outputs = flat[len(flat) - len(built["outputs"]):]
-    return flat[0], _gradients_from(flat[1:], built["grads_and_vars"]), outputs
+    scalars = len(built["scalars"])
+    loss = flat[:scalars] if scalars > 1 else flat[0]
+    return loss, _gradients_from(flat[scalars:], built["grads_and_vars"]), outputs
 
 
 def _flat_gradients(grads_and_vars):

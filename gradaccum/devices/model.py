@@ -164,3 +164,30 @@ def checked_var_list(var_list):
 def resolved_var_list(var_list):
     """``var_list`` (from :func:`checked_var_list`) as ``None`` or a list of variables: a callable is called."""
     return _validate.check_var_list(var_list()) if callable(var_list) else var_list
+
+
+def check_outputs(outputs, index):
+    """The flat list of ``outputs`` (none when ``None``); each must have a batch dimension.
+
+    Args:
+      outputs: ``ModelResult.outputs``.
+      index: the tower's index, for the message.
+
+    Returns:
+      A list of tensors.
+
+    Raises:
+      TypeError: for an output that is no tensor with a leading dimension.
+
+    Example:
+      >>> flat = check_outputs({"logits": logits}, 0)
+    """
+    if outputs is None:
+        return []
+    flat = tf.nest.flatten(outputs)
+    for output in flat:
+        if not isinstance(output, tf.Tensor) or not output.shape.ndims:
+            raise TypeError("`model_fn` must return a loss or ModelResult(loss, outputs=...), outputs a tensor or "
+                            "a nested structure of tensors with a leading (batch) dimension, got %s in tower %d"
+                            % (_validate.describe(output), index))
+    return flat

@@ -92,9 +92,9 @@ def _too_few_called(every_tower):
 def _batch_size(batch):
     """The leading dimension shared by ``batch``: a Python int when static, else a tensor."""
     for tensor in batch:
-        if _leading(tensor) is not None:
-            return _leading(tensor)
-    return _dynamic_leading(batch[0])
+        if static_leading(tensor) is not None:
+            return static_leading(tensor)
+    return leading(batch[0])
 
 
 def check_inputs(inputs, arg):
@@ -129,20 +129,41 @@ def check_inputs(inputs, arg):
             raise ValueError("`%s` must have a leading (batch) dimension, got the scalar %s"
                              % (arg, _validate.describe(item)))
         tensors.append(tensor)
-    leading = [_leading(t) for t in tensors]
-    if len(set(size for size in leading if size is not None)) > 1:
+    sizes = [static_leading(t) for t in tensors]
+    if len(set(size for size in sizes if size is not None)) > 1:
         raise ValueError("`%s` must have the same leading (batch) dimension, got %s for %s"
-                         % (arg, leading, _validate.describe(tensors)))
+                         % (arg, sizes, _validate.describe(tensors)))
     return tensors
 
 
-def _leading(tensor):
-    """The static leading dimension of ``tensor``, or None."""
+def static_leading(tensor):
+    """The static leading dimension of a tensor or ``tf.SparseTensor``, or None.
+
+    Args:
+      tensor: a tensor or a ``tf.SparseTensor``.
+
+    Returns:
+      A Python int, or None.
+
+    Example:
+      >>> static_leading(tf.zeros([4, 3]))
+      4
+    """
     return tf.compat.dimension_value(tensor.shape[0]) if tensor.shape.ndims else None
 
 
-def _dynamic_leading(tensor):
-    """The leading dimension of a tensor or sparse tensor, as a scalar int32 tensor."""
+def leading(tensor):
+    """The leading dimension of a tensor or ``tf.SparseTensor``, as a scalar int32 tensor.
+
+    Args:
+      tensor: a tensor or a ``tf.SparseTensor``.
+
+    Returns:
+      A scalar int32 tensor.
+
+    Example:
+      >>> batch_size = leading(labels)
+    """
     if isinstance(tensor, tf.SparseTensor):
         return tf.cast(tensor.dense_shape[0], tf.int32)
     return tf.shape(tensor)[0]
@@ -150,7 +171,7 @@ def _dynamic_leading(tensor):
 
 def _split(tensors, count, min_batch):
     """Splits each tensor into ``count`` shards whose sizes differ by at most one."""
-    static = [_leading(t) for t in tensors if _leading(t) is not None]
+    static = [static_leading(t) for t in tensors if static_leading(t) is not None]
     if static:
         batch_size = static[0]
         if batch_size < min_batch:
@@ -159,7 +180,7 @@ def _split(tensors, count, min_batch):
         sizes = [part(batch_size, count, i)[1] for i in range(count)]
         split_sizes = sizes
     else:
-        batch_size = tf.identity(_dynamic_leading(tensors[0]), name="batch_size")
+        batch_size = tf.identity(leading(tensors[0]), name="batch_size")
         bonus = tf.cast(tf.range(count) < batch_size % count, tf.int32)
         split_sizes = tf.add(batch_size // count, bonus, name="shard_sizes")
         sizes = tf.unstack(split_sizes, num=count)
@@ -200,16 +221,33 @@ def part(n, parts, index):
 def _split_one(tensor, split_sizes, sizes, count):
     if not isinstance(tensor, tf.SparseTensor):
         return tf.split(tensor, split_sizes, axis=0, num=count, name="split")
-    # Rows [start, start + size) of the batch, renumbered from 0 (tf.sparse.slice).
     with tf.compat.v1.name_scope("split_sparse"):
-        rest = tensor.dense_shape[1:]
-        shards, start = [], tf.constant(0, tf.int64)
+        shards, start = [], 0
         for size in sizes:
-            size = tf.cast(size, tf.int64)
-            shards.append(tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0),
-                                          tf.concat([[size], rest], 0)))
-            start += size
+            shards.append(rows(tensor, start, size))
+            start = start + size
         return shards
+
+
+def rows(tensor, start, size):
+    """Rows ``[start, start + size)`` of a tensor or ``tf.SparseTensor`` (renumbered from 0).
+
+    Args:
+      tensor: a tensor or a ``tf.SparseTensor`` with a leading (batch) dimension.
+      start: the first row, an int or an integer scalar tensor.
+      size: the number of rows, an int or an integer scalar tensor.
+
+    Returns:
+      The rows, of ``tensor``'s kind.
+
+    Example:
+      >>> micro_batch = rows(images, 6, 6)
+    """
+    if not isinstance(tensor, tf.SparseTensor):
+        return tensor[start:start + size]
+    rest = tensor.dense_shape[1:]
+    start, size = tf.cast(start, tf.int64), tf.cast(size, tf.int64)
+    return tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0), tf.concat([[size], rest], 0))
 
 
 def _too_small(min_batch):
@@ -236,9 +274,9 @@ def checked(tensors, batch_size, checks):
     checks = list(checks)
     if len(tensors) > 1:
         checks.extend(tf.compat.v1.assert_equal(
-            _dynamic_leading(tensor), batch_size, name="same_batch_%d" % index,
+            leading(tensor), batch_size, name="same_batch_%d" % index,
             message="`inputs` must have the same leading (batch) dimension; input %d differs:" % index)
-            for index, tensor in enumerate(tensors) if _leading(tensor) is None)
+            for index, tensor in enumerate(tensors) if static_leading(tensor) is None)
     if not checks:
         return tensors
     with tf.control_dependencies(checks):

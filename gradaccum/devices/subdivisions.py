@@ -3,8 +3,10 @@
 :func:`minimize` takes what :func:`gradaccum.tower.minimize` takes, a model
 function and its inputs, with a :class:`gradaccum.GradientAccumulator` whose
 ``num_micro_batches`` is k. One ``session.run`` of its train op is one
-update: the whole batch (or k pulls of a callable input) is split into k
-micro-batches inside a ``tf.while_loop``; each iteration builds the model on
+update: the whole batch (dense tensors or ``tf.SparseTensor``, or k pulls of
+a callable input) is split into one shard per tower and each shard into
+``min(k, its size)`` micro-batches, so that no micro-batch is empty, inside
+a ``tf.while_loop`` (``gradaccum.devices.loop``); each iteration builds the model on
 its micro-batch with the same variables and adds its gradients, weighted by
 the micro-batch's size, to loop-carried sums. After the loop the window's
 end runs once, as for the fused train op: reduce across workers, divide,
@@ -18,7 +20,11 @@ so no apply can overwrite a variable that a backward pass still reads (TF1
 reference variables alias their buffers). ``parallel_iterations=1`` keeps
 one micro-batch's activations in memory at a time. With ``devices``, each
 tower runs such a loop over its shard on its device, and the towers' sums
-are added before the window's end. ``gradaccum.batch_normalization`` pools
+are added before the window's end; a later tower whose shard may be empty
+at run time builds its micro-batch 0 inside ``tf.cond`` (as
+``tower.minimize`` builds such a tower) and adds nothing then. Per-example
+outputs (``ModelResult.outputs``) come back in batch order.
+``gradaccum.batch_normalization`` pools
 every micro-batch of a run into its first call's window statistics, which
 move the moving averages once per run, as under the fused train op.
 
@@ -33,30 +39,50 @@ the first micro-batch's update ops; those built inside the loop are taken
 out again (no op outside the loop can run them), and every micro-batch's
 run inside the train op.
 """
+
 import collections
 import warnings
 
 from gradaccum import _validate
 from gradaccum._compat import tf, v1_control_flow, visible_gpus
 from gradaccum.devices import splitting
-from gradaccum.devices.model import check_model_fn, checked_var_list, read_result, resolved_var_list, tower_scope
+from gradaccum.devices import guard as tower_guard
+from gradaccum.devices.loop import STATISTICS_ONLY, Looped, Model, micro_batch, summed_loop
+from gradaccum.devices.model import check_model_fn, checked_var_list, tower_scope
 from gradaccum.devices.placement import device_function, placement as checked_placement
-from gradaccum.window import custom_gradients, pipeline
-from gradaccum.window.accumulator import GradientAccumulator, weighted_grad_loss
-from gradaccum.window.gradients import weighted
-from gradaccum.window.observers import MicroBatch
-from gradaccum.window.update_ops import ALL, FIRST, chosen_update_ops, split_update_ops
+from gradaccum.window import pipeline
+from gradaccum.window.accumulator import GradientAccumulator
+from gradaccum.window.update_ops import ALL, FIRST, chosen_update_ops
 
-SubdividedTraining = collections.namedtuple("SubdividedTraining", ["train_op", "loss", "num_micro_batches"])
-SubdividedTraining.__doc__ = """What :func:`minimize` builds.
 
-Attributes:
-  train_op: the op to run once per update, with the whole batch fed (or
-    nothing, for a callable input).
-  loss: scalar, the mean loss over the whole batch (the micro-batches'
-    losses weighted as their gradients are).
-  num_micro_batches: int64 scalar tensor, the k of the run (read once per run).
-"""
+class SubdividedTraining(collections.namedtuple("SubdividedTraining", ["train_op", "loss", "num_micro_batches"])):
+    """What :func:`minimize` builds: a ``(train_op, loss, num_micro_batches)`` tuple with ``outputs``.
+
+    ``outputs`` is an attribute, not a fourth item, so that
+    ``train_op, loss, k = result`` keeps working.
+
+    Attributes:
+      train_op: the op to run once per update, with the whole batch fed (or
+        nothing, for a callable input).
+      loss: scalar, the mean loss over the whole batch (the micro-batches'
+        losses weighted as their gradients are).
+      num_micro_batches: int64 scalar tensor, the k of the run (read once per run).
+      outputs: ``None``, or the per-example outputs ``model_fn`` returned in
+        its :class:`gradaccum.ModelResult`, every micro-batch's rows
+        concatenated in batch order (a callable input: in the order pulled).
+
+    Example:
+      >>> result = subdivisions.minimize(opt, model_fn, [images, labels])
+      >>> _, predictions = sess.run([result.train_op, result.outputs], feed)
+    """
+
+    outputs = None  # What _make and _replace (which bypass __new__) give.
+
+    def __new__(cls, train_op, loss, num_micro_batches, outputs=None):
+        self = super(SubdividedTraining, cls).__new__(cls, train_op, loss, num_micro_batches)
+        self.outputs = outputs
+        return self
+
 
 # Why the accessors of a window in progress have nothing to say about this form.
 NO_STATE = ("the one-run form (subdivisions.minimize) keeps no window between runs: each run of its train op "
@@ -78,32 +104,36 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, var_list=None, de
         as for the fused train op.
       model_fn: callable taking one micro-batch per input, returning its mean
         loss (a scalar float tensor) or a :class:`gradaccum.ModelResult` with
-        its ``weight`` (a pair ``(loss, weight)`` is deprecated). The first
-        micro-batch creates the variables (``tf.compat.v1.get_variable``,
-        ``tf.compat.v1.layers``); the others reuse them.
-      inputs: the whole batch, a tensor or a list of tensors cut along axis 0
-        into micro-batches whose sizes differ by at most one; or a callable
-        without arguments returning one micro-batch, called k times per run.
+        its ``weight`` and per-example ``outputs`` (a pair ``(loss, weight)``
+        is deprecated). The first micro-batch creates the variables
+        (``tf.compat.v1.get_variable``, ``tf.compat.v1.layers``); the others
+        reuse them.
+      inputs: the whole batch, a tensor or ``tf.SparseTensor`` or a list of
+        them, cut along axis 0 into one shard per tower and each shard into
+        ``min(k, its size)`` micro-batches whose sizes differ by at most one;
+        or a callable without arguments returning one micro-batch, called k
+        times per run and tower.
       global_step: optional variable, incremented once per applied update.
       var_list: optional list of the variables to train (default: the trainable ones),
         or a callable returning it once ``model_fn`` has built them.
       devices: one device string per tower, as in ``tower.minimize``
         (``None``: every visible GPU, else the CPU): each tower loops over
-        its shard's k micro-batches (a callable input: over its own pulls).
+        its shard's micro-batches (a callable input: over its own pulls).
       variables_device: where the variables are created (``None``: the first device).
       update_ops: ``"first"`` (the first tower's ``UPDATE_OPS``), ``"all"``
-        (every tower's), run on every micro-batch; or ``[]``, none. Window
-        batch norm pools every tower's micro-batches with ``"first"`` too.
+        (every tower's; every tower then needs an example), run on every
+        micro-batch; or ``[]``, none. Window batch norm pools every tower's
+        micro-batches with ``"first"`` too.
       name: name scope of the loops and the first micro-batches' models.
 
     Returns:
-      A :class:`SubdividedTraining` ``(train_op, loss, num_micro_batches)``.
+      A :class:`SubdividedTraining` ``(train_op, loss, num_micro_batches)`` with ``outputs``.
 
     Raises:
       TypeError: for a non-accumulator, a non-callable ``model_fn``,
         non-tensor inputs, or no scalar float loss.
-      ValueError: for a static batch below k x towers, a bad ``update_ops``,
-        ``name`` or device, or ``ShardedAllReduce(shard_cache=True)``.
+      ValueError: for an empty static batch, a bad ``update_ops``, ``name``
+        or device, or ``ShardedAllReduce(shard_cache=True)``.
 
     Example:
       >>> opt = gradaccum.GradientAccumulator(tf.compat.v1.train.AdamOptimizer(1e-3), 50)
@@ -118,22 +148,23 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, var_list=None, de
     outer_scope = tf.compat.v1.get_default_graph().get_name_scope()
     with tf.compat.v1.name_scope(name) as scope:
         k = _loop_bound(builder, global_step)
-        towers = _towers(scope, _Model(optimizer, model_fn, update_ops, var_list, 0), placements,
-                         _input_sources(inputs, k, len(placements)))
+        towers = _towers(scope, Model(optimizer, model_fn, update_ops, var_list, 0), placements,
+                         _input_sources(inputs, k, len(placements), update_ops == ALL))
         first = towers[0].build_first()
     _, pairs, step, config = builder.prepare(first.pairs, pipeline.Step(global_step, name, None, [], None, False))
     with v1_control_flow(config.ref_step_flow):
-        done, state, loss_sum, total = _looped_window(config, step, towers, k, outer_scope)
+        done, state, summed = _looped_window(config, step, towers, outer_scope)
     with tf.compat.v1.name_scope(scope):
         train_op = tf.group(done, name="train")
-        loss = tf.cast(loss_sum / total, first.loss.dtype.base_dtype, name="loss")
+        loss = tf.cast(summed.loss_sum / summed.total, first.loss.dtype.base_dtype, name="loss")
         k = tf.cast(k, tf.int64, name="window_size")
+        outputs = _packed_outputs(first.structure, summed.outputs)
     window = pipeline.Window(train_op, [v for _, v in pairs], state, size=(k, tf.constant(True)), no_state=NO_STATE)
-    return SubdividedTraining(builder.register(window, step), loss, k)
+    return SubdividedTraining(builder.register(window, step), loss, k, outputs)
 
 
-def _looped_window(config, step, towers, k, outer_scope):
-    """Every tower's loop, their sums added, and the window's end: ``(op, state, loss sum, total weight)``."""
+def _looped_window(config, step, towers, outer_scope):
+    """Every tower's loop, their sums added, and the window's end: ``(op, state, summed Looped)``."""
     _refuse(config)
     pairs = towers[0].first.pairs
     # The first micro-batch's window batch-norm statistics observe the window; the others fold into them.
@@ -144,39 +175,37 @@ def _looped_window(config, step, towers, k, outer_scope):
     dtypes = pipeline.sum_dtypes(config, pairs)
     looped, previous = [], []
     for tower in towers:
-        looped.append(tower.loop(k, state, dtypes, previous))
+        looped.append(tower.loop(state, dtypes, previous, towers[0].first))
         if tower.first.stats:
             # The towers' window batch-norm statistics fold into one window by read-modify-write:
             # concurrent loops would race on it, so each such tower's loop waits for the one before.
-            previous = [looped[-1][2]]
+            previous = [looped[-1].total]
     with tf.compat.v1.name_scope(window_scope):
-        loss_sum, sums, total = _combined(looped)
-        with tf.control_dependencies([total]):
-            done = pipeline.finish_summed(config, state, step, outer_scope, sums, total)
-    return done, state, loss_sum, total
-
-
-# What every micro-batch is built from: the accumulator, the model function, the
-# update-ops choice of its tower ("first": the later towers run none of their plain
-# update ops, but their window batch-norm statistics fold in) and the variables trained.
-_Model = collections.namedtuple("_Model", ["optimizer", "model_fn", "update_ops", "var_list", "tower"])
+        summed = _combined(looped)
+        with tf.control_dependencies([summed.total]):
+            done = pipeline.finish_summed(config, state, step, outer_scope, summed.pairs, summed.total)
+    return done, state, summed
 
 
 def _towers(scope, model, placements, sources):
-    """One :class:`_Tower` per placement; ``update_ops="first"`` gives the later towers statistics only."""
+    """One :class:`_Tower` per placement whose shard may hold examples.
+
+    ``update_ops="first"`` gives the later towers their window statistics only.
+    """
     count = len(placements)
     return [_Tower(scope, model._replace(update_ops=_tower_update_ops(model.update_ops, index), tower=index),
-                   placement,
-                   source, index, count) for index, (placement, source) in enumerate(zip(placements, sources))]
+                   placement, source, count)
+            for index, (placement, source) in enumerate(zip(placements, sources))
+            if not (isinstance(source.size, int) and source.size == 0)]
 
 
 class _Tower(object):
     """One device's share of a run: its first micro-batch (built outside the loop) and its loop."""
 
-    def __init__(self, scope, model, placement, source, index, count):
-        self._scope = scope + ("tower_%d/" % index if count > 1 else "")
+    def __init__(self, scope, model, placement, source, count):
+        self._scope = scope + ("tower_%d/" % model.tower if count > 1 else "")
         self._model, self._placement, self._source = model, placement, source
-        self._reuse = True if index else None
+        self._reuse = True if model.tower else None
         self._var_scope = tf.compat.v1.get_variable_scope()
         self.first = None
 
@@ -184,28 +213,55 @@ class _Tower(object):
         """The tower's scopes: its name, device function and (after the first tower) variable reuse."""
         return tower_scope(self._scope, self._placement, self._reuse, self._var_scope)
 
-    def build_first(self):
-        """Builds and keeps the tower's micro-batch 0; returns it."""
+    def build_first(self, guarded_like=None):
+        """Builds and keeps the tower's micro-batch 0; returns it.
+
+        ``guarded_like``: tower 0's micro-batch 0, when this one is built
+        inside ``tf.cond`` (its outputs give an empty tower's theirs).
+        """
         with self._building(), tf.compat.v1.name_scope("micro_batch_0"):
-            self.first = _micro_batch(self._model, self._source(0), keep=True, var_list=self._model.var_list)
+            if guarded_like is not None:
+                self.first = _guarded_micro_batch(self._model, self._source, guarded_like.outputs)
+            else:
+                self.first = micro_batch(self._model, self._source.take(0), keep=True,
+                                         var_list=self._model.var_list)
         return self.first
 
-    def loop(self, k, state, dtypes, previous):
-        """The tower's ``(loss sum, sums, total)`` over its k micro-batches."""
+    def loop(self, state, dtypes, previous, first):
+        """The tower's :data:`gradaccum.devices.loop.Looped` sums over its micro-batches.
+
+        ``first``: tower 0's micro-batch 0.
+        """
         if self.first is None:
-            self.build_first()
+            # A later tower whose shard may be empty at run time runs no model then, unless its update
+            # ops or window statistics must see it (they need every tower to have an example).
+            guarded = self._source.may_be_empty and not first.stats and self._model.update_ops != ALL
+            self.build_first(first if guarded else None)
         self._reuse = True  # The loop's micro-batches reuse the first one's variables.
         with self._building():
-            return _summed_loop(self._model, self._source, k, self.first, state, dtypes, previous)
+            return summed_loop(self._model, self._source, self.first, state, dtypes, previous)
 
 
-# A later tower under "first": its window batch-norm statistics, none of its plain update ops.
-_STATISTICS_ONLY = "statistics only"
+def _guarded_micro_batch(model, source, first_outputs):
+    """Micro-batch 0 of a later tower built inside ``tf.cond(size > 0)``: zeros of weight 0 when it is empty."""
+    tensors, size = source.take(0)
+    tensors = [splitting.identity(tensor) for tensor in tensors]  # On the tower's device, as the cond's switches.
+    built = {}
+
+    def build():
+        micro = micro_batch(model, (tensors, size), keep=True, var_list=model.var_list)
+        built["micro"] = micro
+        return [micro.loss, tf.convert_to_tensor(micro.weight)], micro.pairs, micro.outputs
+
+    (loss, weight), pairs, outputs = tower_guard.run_if(source.size > 0, build, first_outputs)
+    micro = built["micro"]
+    grad_weight = None if micro.grad_weight is None else weight
+    return micro._replace(loss=loss, weight=weight, pairs=pairs, grad_weight=grad_weight, outputs=outputs)
 
 
 def _tower_update_ops(update_ops, index):
     """What a tower runs: its own update ops, or only its window statistics when ``"first"`` keeps tower 0's."""
-    return _STATISTICS_ONLY if update_ops == FIRST and index else update_ops
+    return STATISTICS_ONLY if update_ops == FIRST and index else update_ops
 
 
 def _placements(devices, variables_device):
@@ -219,13 +275,11 @@ def _placements(devices, variables_device):
 
 
 def _combined(looped):
-    """The towers' ``(loss sum, pairs, total)`` added: dense sums on their variable's device, sparse rows joined."""
+    """The towers' :data:`Looped` sums added: dense sums on their variable's device, sparse rows joined."""
     if len(looped) == 1:
         return looped[0]
-    loss_sum = tf.add_n([loss for loss, _, _ in looped])
-    total = tf.add_n([weight for _, _, weight in looped])
     pairs = []
-    for per_tower in zip(*[sums for _, sums, _ in looped]):
+    for per_tower in zip(*[tower.pairs for tower in looped]):
         grads, var = [grad for grad, _ in per_tower], per_tower[0][1]
         with tf.compat.v1.device(var.device):
             if isinstance(grads[0], tf.IndexedSlices):
@@ -233,7 +287,17 @@ def _combined(looped):
                                                tf.concat([g.indices for g in grads], 0), grads[0].dense_shape), var))
             else:
                 pairs.append((tf.add_n(grads), var))
-    return loss_sum, pairs, total
+    outputs = [tf.concat(list(parts), 0) for parts in zip(*[tower.outputs for tower in looped])]
+    return Looped(tf.add_n([tower.loss_sum for tower in looped]), pairs,
+                  tf.add_n([tower.total for tower in looped]), outputs)
+
+
+def _packed_outputs(structure, flat):
+    """The outputs in ``model_fn``'s nesting, or ``None`` when it returned none."""
+    if structure is None:
+        return None
+    with tf.compat.v1.name_scope("outputs"):
+        return tf.nest.pack_sequence_as(structure, [tf.identity(out) for out in flat])
 
 
 # ------------------------------------------------------------------ checks
@@ -256,7 +320,7 @@ def _check_arguments(optimizer, model_fn, update_ops, name):
 
 
 def _refuse(config):
-    """What the in-graph form does not build, in one ValueError."""
+    """What the one-run form does not build, in one ValueError."""
     if getattr(config.reducer, "shard_cache", False):
         raise ValueError("subdivisions.minimize sums the micro-batches inside one run and reduces once after "
                          "the loop: ShardedAllReduce(shard_cache=True) reduces every micro-batch; use "
@@ -274,215 +338,60 @@ def _loop_bound(builder, global_step):
 
 # ------------------------------------------------------------------ inputs
 
+# A tower's micro-batches: take(i) is micro-batch i's (tensors, size); count how many
+# there are (an int or an int32 tensor); size the tower's examples; may_be_empty
+# whether size is known only at run time and may be 0 (a later tower).
+_Source = collections.namedtuple("_Source", ["take", "count", "size", "may_be_empty"])
 
-def _input_sources(inputs, k, towers):
-    """One source per tower: ``source(i)`` is ``(tensors, size)`` of the tower's micro-batch i."""
-    if callable(inputs) and not isinstance(inputs, (tf.Tensor, tf.Variable)):
-        return [lambda i: _pulled(inputs)] * towers
-    k_static = tf.get_static_value(k)
-    tensors, n = _checked_batch(_dense(inputs, "inputs"), k * towers if k_static is None else int(k_static) * towers)
 
-    def source_for(tower_index):
-        shard_start, shard_size = splitting.part(n, towers, tower_index)
+def _input_sources(inputs, k, towers, every_tower):
+    """One :data:`_Source` per tower: its shard of the batch in ``min(k, shard size)`` micro-batches.
 
-        def source(i):
-            start, size = splitting.part(shard_size, k, i)
-            start += shard_start
-            return [tensor[start:start + size] for tensor in tensors], size
-        return source
-    return [source_for(index) for index in range(towers)]
+    A callable input is pulled k times per tower. ``every_tower``: each tower
+    needs an example (``update_ops="all"``); otherwise the first does.
+    """
+    if callable(inputs) and not isinstance(inputs, (tf.Tensor, tf.Variable, tf.SparseTensor)):
+        pulled = _Source(lambda i: _pulled(inputs), k, None, False)
+        return [pulled] * towers
+    k = k if tf.get_static_value(k) is None else int(tf.get_static_value(k))
+    tensors, n = _checked_batch(splitting.check_inputs(inputs, "inputs"), towers if every_tower else 1)
+    sources = []
+    for index in range(towers):
+        shard_start, shard_size = splitting.part(n, towers, index)
+        count = (min(k, shard_size) if isinstance(k, int) and isinstance(shard_size, int)
+                 else tf.minimum(k, shard_size))
+        sources.append(_Source(_slicer(tensors, shard_start, shard_size, count), count, shard_size,
+                               bool(index) and not isinstance(shard_size, int)))
+    return sources
+
+
+def _slicer(tensors, shard_start, shard_size, count):
+    """``take(i)``: rows of micro-batch i of the shard ``[shard_start, shard_start + shard_size)``."""
+    # An empty shard has no micro-batch: its micro-batch 0 (guarded, never run) divides by one.
+    parts = count if isinstance(count, int) else tf.maximum(count, 1)
+
+    def take(i):
+        start, size = splitting.part(shard_size, parts, i)
+        return [splitting.rows(tensor, shard_start + start, size) for tensor in tensors], size
+    return take
 
 
 def _pulled(inputs):
-    """One micro-batch from a callable input, and its size (its first tensor's leading dimension)."""
-    tensors = _dense(inputs(), "inputs()")
-    return tensors, tf.shape(tensors[0])[0]
-
-
-def _dense(value, arg):
-    """``value`` as a non-empty list of dense tensors with a shared leading (batch) dimension."""
-    tensors = splitting.check_inputs(value, arg)
-    sparse = [tensor for tensor in tensors if isinstance(tensor, tf.SparseTensor)]
-    if sparse:
-        raise ValueError("`%s` must be dense tensors: the loop slices them along axis 0; densify a "
-                         "tf.SparseTensor inside model_fn (tf.sparse.to_dense), or use tower.minimize, got %s"
-                         % (arg, _validate.describe(sparse[0])))
-    return tensors
+    """One micro-batch from a callable input, and its size (its first input's leading dimension)."""
+    tensors = splitting.check_inputs(inputs(), "inputs()")
+    return tensors, splitting.leading(tensors[0])
 
 
 def _checked_batch(tensors, needed):
     """``(tensors, n)``: the inputs and their batch size n, after checks that n >= ``needed`` and they agree."""
-    static = tf.compat.dimension_value(tensors[0].shape[0])
-    if static is not None and isinstance(needed, int) and static < needed:
-        raise ValueError("`inputs` must hold at least num_micro_batches x towers (%d) examples, got a batch of %d"
-                         % (needed, static))
-    n = tf.shape(tensors[0], name="batch_size")[0]
+    static = [splitting.static_leading(tensor) for tensor in tensors if splitting.static_leading(tensor) is not None]
+    if static:
+        if static[0] < needed:
+            raise ValueError("`inputs` must hold at least %d example%s, got a batch of %d"
+                             % (needed, "s, one per tower with update_ops='all'" if needed > 1 else "", static[0]))
+        return splitting.checked(tensors, static[0], []), static[0]
+    n = tf.identity(splitting.leading(tensors[0]), name="batch_size")
     enough = tf.compat.v1.assert_greater_equal(
         n, needed, name="enough_examples",
-        message="`inputs` must hold at least num_micro_batches x towers examples (one per micro-batch); "
-                "batch, needed:")
+        message="`inputs` must hold at least one example (one per tower with update_ops='all'); batch, needed:")
     return splitting.checked(tensors, n, [enough]), n
-
-
-# ------------------------------------------------------------------ one micro-batch
-
-# One micro-batch as built: its mean loss and weight, its (gradient,
-# variable) pairs, the plain update ops to run, its window batch-norm
-# statistics (gradaccum.window.update_ops), which fold into the window's, and the
-# weight its gradients still need (None: backprop carried it).
-_Micro = collections.namedtuple("_Micro", ["loss", "weight", "pairs", "to_run", "stats", "grad_weight"])
-
-
-def _micro_batch(model, source, keep, var_list=None, optimizer=None):
-    """Builds ``model_fn`` on one micro-batch and its gradients (by ``optimizer``, else the model's).
-
-    ``keep``: leave the update ops it creates in ``UPDATE_OPS`` (the first
-    micro-batch's, outside the loop); inside the loop they are taken out.
-    """
-    tensors, size = source
-    optimizer, update_ops = optimizer or model.optimizer, model.update_ops
-    graph = tf.compat.v1.get_default_graph()
-    updates = graph.get_collection_ref(tf.compat.v1.GraphKeys.UPDATE_OPS)
-    before = len(updates)
-    result = read_result(model.model_fn(*tensors), "weight", model.tower, warn=keep and not model.tower)
-    var_list = resolved_var_list(var_list)
-    if result.outputs is not None:
-        raise ValueError("`model_fn` returned outputs in tower %d: subdivisions.minimize does not collect "
-                         "per-example outputs; compute them with a separate forward pass, or use "
-                         "tower.minimize" % model.tower)
-    loss, weight = result.loss, size if result.weight is None else result.weight
-    created = list(updates[before:])
-    if not keep:
-        del updates[before:]
-    in_backprop = model.optimizer.builder.weight_in_backprop(loss, weight, var_list)
-    grad_loss = weighted_grad_loss(loss, None, weight) if in_backprop else None
-    with custom_gradients.differentiating(optimizer, model.optimizer.gradients):  # Also with a reducer's optimizer.
-        pairs = optimizer.compute_gradients(loss, var_list=var_list, grad_loss=grad_loss)
-    pairs = [(grad, var) for grad, var in pairs if grad is not None]
-    if not pairs:
-        raise ValueError("No gradients provided for any variable: `model_fn`'s loss %s depends on no "
-                         "variable trained" % _validate.describe(loss))
-    grad_weight = None if in_backprop else weight
-    if isinstance(update_ops, list):  # []: none
-        return _Micro(loss, weight, pairs, [], [], grad_weight)
-    plain, stats = split_update_ops(created)
-    return _Micro(loss, weight, pairs, [] if update_ops == _STATISTICS_ONLY else plain, stats, grad_weight)
-
-
-# ------------------------------------------------------------------ the loop
-
-
-def _summed_loop(model, source, k, first, state, dtypes, previous):
-    """``(sum_i w_i loss_i, [(sum_i w_i g_i, var)], sum_i w_i)`` over micro-batches 0..k-1.
-
-    Micro-batch 0 (``first``) starts the sums; micro-batches 1..k-1 are added
-    in a ``tf.while_loop``. A dense sum is a loop value; a sparse one is a
-    pair of ``TensorArray`` of rows and indices, concatenated after the loop,
-    so that it holds every row as given, as the full batch's gradient does.
-    """
-    variables = [var for _, var in first.pairs]
-    grad_dtypes, sum_dtype = dtypes
-    with tf.control_dependencies(previous):  # A previous tower's loop, where window statistics are shared.
-        observed = _observed(state, first)
-    with tf.control_dependencies(first.to_run + observed):
-        start = [_weighted_loss(first, sum_dtype), tf.cast(first.weight, sum_dtype)]
-        start += _start_sums(first, grad_dtypes)
-    initial = [_after(tf.constant(1), start + observed)] + start
-
-    var_scope = tf.compat.v1.get_variable_scope()
-
-    def body(i, loss_sum, total, *sums):
-        # The variables exist: micro-batches 1..k-1 reuse the first one's.
-        with tf.compat.v1.variable_scope(var_scope, reuse=True, auxiliary_name_scope=False):
-            # A reducer's compute_gradients may exchange (the collective engine's first-run sync):
-            # micro-batch 0 did that, outside the loop; inside it, its wrapped optimizer's.
-            reducer = model.optimizer.builder.reducer
-            micro = _micro_batch(model, source(i), keep=False, var_list=variables,
-                                 optimizer=None if reducer is None else reducer.optimizer)
-        with tf.control_dependencies(micro.to_run):
-            added = _add_to_sums(list(sums), micro, i, grad_dtypes)
-            weight = tf.cast(micro.weight, sum_dtype)
-            carried = [loss_sum + _weighted_loss(micro, sum_dtype), total + weight] + added
-            # The next micro-batch starts after this one's gradients, update ops and observers:
-            # one micro-batch's activations at a time.
-            following = _after(tf.add(i, 1), carried + micro.to_run + _observed(state, micro), "next_micro_batch")
-            return [following] + carried
-
-    final = tf.compat.v1.while_loop(lambda i, *_: i < k, body, initial, back_prop=False, parallel_iterations=1,
-                                    name="micro_batches")
-    _, loss_sum, total = final[:3]
-    return loss_sum, _finished_sums(final[3:], first.pairs), total
-
-
-def _after(value, waited, name=None):
-    """``value`` once every tensor, ``TensorArray`` (its flow) or op of ``waited`` is done."""
-    ops = [item.flow if isinstance(item, tf.TensorArray) else item for item in waited]
-    with tf.control_dependencies(ops):
-        return tf.identity(value, name=name)
-
-
-def _observed(state, micro):
-    """The observers' ops for one micro-batch: its own, and its batch-norm statistics folded into the window's."""
-    ops = pipeline.added(state, MicroBatch(micro.pairs, micro.weight, None), made_only=True)
-    window_stats = state.observers[state.made:]
-    if len(micro.stats) != len(window_stats):
-        raise ValueError("`model_fn` built %d window batch-norm layers on this micro-batch and %d on the first; "
-                         "build the same layers on every micro-batch" % (len(micro.stats), len(window_stats)))
-    for stats, window in zip(micro.stats, window_stats):
-        if stats is not window:
-            stats.share_window(window)
-        ops.append(stats.accumulate())
-    return ops
-
-
-def _start_sums(first, grad_dtypes):
-    """Micro-batch 0's weighted gradients as the loop's first values (flat)."""
-    flat = []
-    for (grad, _), dtype in zip(first.pairs, grad_dtypes):
-        if isinstance(grad, tf.IndexedSlices):
-            rows, indices = _rows(grad, first.grad_weight, dtype)
-            shape = tf.TensorShape([None]).concatenate(rows.shape[1:])
-            flat.append(tf.TensorArray(dtype, size=0, dynamic_size=True, infer_shape=False,
-                                       element_shape=shape).write(0, rows))
-            flat.append(tf.TensorArray(indices.dtype, size=0, dynamic_size=True, infer_shape=False,
-                                       element_shape=tf.TensorShape([None])).write(0, indices))
-        else:
-            flat.append(weighted(tf.cast(grad, dtype), first.grad_weight))
-    return flat
-
-
-def _add_to_sums(sums, micro, i, grad_dtypes):
-    """The sums with micro-batch ``i`` added (its graph is the first one's: the same kinds of gradient)."""
-    out, position = [], 0
-    for (grad, _), dtype in zip(micro.pairs, grad_dtypes):
-        if isinstance(sums[position], tf.TensorArray):
-            rows, indices = _rows(grad, micro.grad_weight, dtype)
-            out.extend([sums[position].write(i, rows), sums[position + 1].write(i, indices)])
-            position += 2
-        else:
-            out.append(sums[position] + weighted(tf.cast(grad, dtype), micro.grad_weight))
-            position += 1
-    return out
-
-
-def _rows(grad, weight, dtype):
-    """A sparse gradient's weighted rows and its indices."""
-    return weighted(tf.cast(grad.values, dtype), weight), grad.indices
-
-
-def _finished_sums(flat, first_pairs):
-    """``(sum, variable)`` pairs from the loop's final values; sparse ones as ``IndexedSlices``."""
-    pairs, position = [], 0
-    for grad, var in first_pairs:
-        if isinstance(flat[position], tf.TensorArray):
-            rows, indices = flat[position].concat(), flat[position + 1].concat()
-            pairs.append((tf.IndexedSlices(rows, indices, grad.dense_shape), var))
-            position += 2
-        else:
-            pairs.append((flat[position], var))
-            position += 1
-    return pairs
-
-
-def _weighted_loss(micro, dtype):
-    return tf.cast(micro.loss, dtype) * tf.cast(micro.weight, dtype)

@@ -55,7 +55,7 @@ from gradaccum.window.gradients import normalized
 from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.window.accumulator import GradientAccumulator
 from gradaccum.window.update_ops import FIRST, chosen_update_ops
-from gradaccum.devices.model import check_model_fn, checked_var_list, read_result, resolved_var_list, tower_scope
+from gradaccum.devices.model import check_model_fn, check_outputs, checked_var_list, read_result, resolved_var_list, tower_scope
 from gradaccum.devices.placement import device_function, placement as checked_placement
 
 
@@ -298,25 +298,12 @@ def _run_model(optimizer, model_fn, shard, tower, var_list):
                          "example count; a weight per micro-batch is subdivisions.minimize's, or "
                          "GradientAccumulator.minimize's `weight`" % index)
     loss, outputs = result.loss, result.outputs
-    flat = _check_outputs(outputs, index)
+    flat = check_outputs(outputs, index)
     returned.setdefault("outputs", outputs)
-    if len(flat) != len(_check_outputs(returned["outputs"], 0)):
+    if len(flat) != len(check_outputs(returned["outputs"], 0)):
         raise ValueError("`model_fn` must return the same outputs in every tower, got %s in tower %d and %s "
                          "in tower 0" % (_validate.describe(outputs), index, _validate.describe(returned["outputs"])))
     return loss, optimizer.compute_gradients(loss, var_list=resolved_var_list(var_list)), flat
-
-
-def _check_outputs(outputs, index):
-    """The flat list of ``outputs`` (none when ``None``); each must have a batch dimension."""
-    if outputs is None:
-        return []
-    flat = tf.nest.flatten(outputs)
-    for output in flat:
-        if not isinstance(output, tf.Tensor) or not output.shape.ndims:
-            raise TypeError("`model_fn` must return a loss or ModelResult(loss, outputs=...), outputs a tensor or "
-                            "a nested structure of tensors with a leading (batch) dimension, got %s in tower %d"
-                            % (_validate.describe(output), index))
-    return flat
 
 
 def _combine(towers, weights, tower_outputs, structure):
