@@ -606,8 +606,8 @@ def test_sparse_inputs_are_sliced_exactly(towers):
         x = v1.sparse_placeholder(tf.float64, [None, 4])
         feeds = [x] + _placeholders()[1:]
         acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 3)
-        result = gradaccum.subdivisions.minimize(acc, _sparse_model, feeds, global_step=v1.train.get_or_create_global_step(),
-                                                 devices=["/cpu:%d" % i for i in range(towers)])
+        result = gradaccum.subdivisions.minimize(acc, _sparse_model, feeds, devices=["/cpu:%d" % i for i in range(towers)],
+                                                 global_step=v1.train.get_or_create_global_step())
         with v1.Session(config=v1.ConfigProto(device_count={"CPU": towers})) as sess:
             sess.run(v1.global_variables_initializer())
             for dense, ids, y in batches:
@@ -638,7 +638,8 @@ def test_per_example_outputs_come_back_in_batch_order(towers, k):
 @pytest.mark.parametrize("arguments, error, message", [
     ({"acc": v1.train.GradientDescentOptimizer(0.1)}, TypeError, "must be a gradaccum.GradientAccumulator"),
     ({"model": "loss"}, TypeError, "`model_fn` must be callable, got 'loss'"),
-    ({"update_ops": "some"}, ValueError, "`update_ops` must be 'first', 'all' or a list of ops \\(\\[\\]: none\\), got 'some'"),
+    ({"update_ops": "some"}, ValueError,
+     "`update_ops` must be 'first', 'all' or a list of ops \\(\\[\\]: none\\), got 'some'"),
     ({"model": lambda x, ids, y: tf.square(y)}, ValueError, "must return a scalar loss"),
     ({"model": lambda x, ids, y: gradaccum.ModelResult(_model(x, ids, y), weight="two")}, TypeError,
      "`weight` must have a numeric dtype, got string"),

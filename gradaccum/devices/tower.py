@@ -55,7 +55,8 @@ from gradaccum.window.gradients import normalized
 from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.window.accumulator import GradientAccumulator
 from gradaccum.window.update_ops import FIRST, chosen_update_ops
-from gradaccum.devices.model import check_model_fn, check_outputs, checked_var_list, read_result, resolved_var_list, tower_scope
+from gradaccum.devices.model import (check_model_fn, check_outputs, checked_var_list, read_result, resolved_var_list,
+                                     tower_scope)
 from gradaccum.devices.placement import device_function, placement as checked_placement
 
 
