@@ -34,8 +34,8 @@ import numbers
 
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.window.state import state_variable
 from gradaccum.window.observers import WindowObserver
+from gradaccum.window.state import state_variable
 from gradaccum.window.statistics import GradientStatistics
 
 _RULES = ("sgd", "adam")

@@ -83,12 +83,12 @@ object to ``"gradaccum_window_statistics"``.
 import numbers
 
 from gradaccum import _compat
-from gradaccum.devices import context as tower_context
 from gradaccum import _validate
-from gradaccum.window.update_ops import WINDOW_STATISTICS
 from gradaccum._compat import tf
-from gradaccum.window.state import state_variable
+from gradaccum.devices import context as tower_context
 from gradaccum.window.observers import WindowObserver
+from gradaccum.window.state import state_variable
+from gradaccum.window.update_ops import WINDOW_STATISTICS
 
 DEFAULT_NAME = "batch_normalization"
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)

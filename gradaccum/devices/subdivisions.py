@@ -45,8 +45,8 @@ import warnings
 
 from gradaccum import _validate
 from gradaccum._compat import tf, v1_control_flow, visible_gpus
-from gradaccum.devices import splitting
 from gradaccum.devices import guard as tower_guard
+from gradaccum.devices import splitting
 from gradaccum.devices.loop import STATISTICS_ONLY, Looped, Model, micro_batch, summed_loop
 from gradaccum.devices.model import check_model_fn, checked_var_list, tower_scope
 from gradaccum.devices.placement import device_function, placement as checked_placement

@@ -46,15 +46,15 @@ import collections
 import functools
 import numbers
 
+from gradaccum import _validate
+from gradaccum._compat import tf
 from gradaccum.devices import context as tower_context
 from gradaccum.devices import guard as tower_guard
 from gradaccum.devices import splitting
-from gradaccum import _validate
-from gradaccum._compat import tf
-from gradaccum.window.gradients import normalized
-from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.window.accumulator import GradientAccumulator
+from gradaccum.window.gradients import normalized
 from gradaccum.window.update_ops import FIRST, chosen_update_ops
+from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.devices.model import (check_model_fn, check_outputs, checked_var_list, read_result, resolved_var_list,
                                      tower_scope)
 from gradaccum.devices.placement import device_function, placement as checked_placement

@@ -41,15 +41,15 @@ import re
 import socket
 import time
 
-from gradaccum.distributed import slurm
-from gradaccum.distributed import tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.distributed.tfconfig import TF_CONFIG_VAR  # noqa: F401
-from gradaccum.distributed.tfconfig import ClusterError
+from gradaccum.distributed import slurm
+from gradaccum.distributed import tfconfig
 from gradaccum.distributed.heartbeat import DEFAULT_HEARTBEAT_SECONDS  # noqa: F401
 from gradaccum.distributed.heartbeat import HEARTBEAT_EXIT_STATUS  # noqa: F401
 from gradaccum.distributed.heartbeat import Heartbeat  # noqa: F401
+from gradaccum.distributed.tfconfig import ClusterError
+from gradaccum.distributed.tfconfig import TF_CONFIG_VAR  # noqa: F401
 # The engines' names, where users look for them.
 from gradaccum.distributed.collective import AllReduceOnApply  # noqa: F401
 from gradaccum.distributed.collective import CollectiveAllReduce  # noqa: F401

@@ -53,9 +53,9 @@ first run of the train op in each process initialises it (see
 optimizer's does (the wrapped optimizer's inner apply op is kept out of it);
 nothing else is added to graph collections.
 """
-from gradaccum.devices import context as tower_context
 from gradaccum import _validate
 from gradaccum._compat import collective_broadcast, collective_sum, tf, v1_control_flow
+from gradaccum.devices import context as tower_context
 from gradaccum.distributed import wire
 from gradaccum.distributed.wire import DEFAULT_BUFFER_BYTES, GROUP_KEY  # noqa: F401  Public here as before.
 from gradaccum.window import pipeline

@@ -13,9 +13,9 @@ import sys
 import threading
 import time
 
-from gradaccum.distributed import tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum.distributed import tfconfig
 
 HEARTBEAT_EXIT_STATUS = 75
 DEFAULT_HEARTBEAT_SECONDS = 30.0

@@ -22,11 +22,11 @@ manager.
 import re
 import time
 
-from gradaccum.distributed import tfconfig
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.distributed.tfconfig import ClusterError
+from gradaccum.distributed import tfconfig
 from gradaccum.distributed.heartbeat import DEFAULT_HEARTBEAT_SECONDS, Heartbeat
+from gradaccum.distributed.tfconfig import ClusterError
 
 _DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 

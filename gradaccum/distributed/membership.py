@@ -32,8 +32,8 @@ import os
 import numpy as np
 
 from gradaccum import _validate
-from gradaccum.distributed import consolidate, layout, wire
 from gradaccum._compat import tf
+from gradaccum.distributed import consolidate, layout, wire
 
 _SCOPE = "gradaccum_membership"
 

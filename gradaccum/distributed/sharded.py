@@ -58,12 +58,12 @@ shard under ``<dir>/shard-<rank>-of-<P>/``).
 """
 from gradaccum import _validate
 from gradaccum._compat import BROADCAST_FROM_ANY_TASK, collective_broadcast_from, loss_scale_optimizer_types, tf
-from gradaccum.window.gradients import weighted
-from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.distributed import wire
 from gradaccum.distributed.collective import CollectiveAllReduce
 from gradaccum.distributed.wire import DEFAULT_BUFFER_BYTES, GROUP_KEY
+from gradaccum.window.gradients import weighted
 from gradaccum.window.reducers import Reducer
+from gradaccum.window.wrapper import optimizer_chain
 
 
 def _variable_bytes(var):

@@ -24,16 +24,14 @@ Logging: a train op with k > 1 and a ``global_step`` installs
 ``gradaccum.window.logfilter.GlobalStepWarningFilter`` (see there).
 """
 from gradaccum import _validate
-from gradaccum.window import pipeline
-from gradaccum.window import logfilter
-from gradaccum.window import custom_gradients
-from gradaccum.window import statistics as _statistics
 from gradaccum._compat import in_control_flow, is_resource_variable, loss_scale_optimizer_types, tf, v1_control_flow
-from gradaccum.window.update_ops import chosen_update_ops, graph_update_ops, split_update_ops
+from gradaccum.window import custom_gradients, logfilter, pipeline
+from gradaccum.window import statistics as _statistics
 from gradaccum.window.access import WindowAccess
-from gradaccum.window.wrapper import WrappingOptimizer, optimizer_chain
 from gradaccum.window.observers import WindowObserver
 from gradaccum.window.reducers import Reducer
+from gradaccum.window.update_ops import chosen_update_ops, graph_update_ops, split_update_ops
+from gradaccum.window.wrapper import WrappingOptimizer, optimizer_chain
 
 _ACCUMULATION_DTYPES = (tf.float32, tf.float64)
 _EAGER_MESSAGE = (

@@ -14,8 +14,8 @@ Variables: none. Collections: none.
 """
 from gradaccum import _validate
 from gradaccum._compat import tf
-from gradaccum.window.wrapper import optimizer_chain
 from gradaccum.window.accumulator import GradientAccumulator
+from gradaccum.window.wrapper import optimizer_chain
 
 
 def plain_variables(optimizer, var_list=None):

@@ -59,8 +59,8 @@ import collections
 
 from gradaccum._compat import is_resource_variable, tf, v1_control_flow
 from gradaccum.window.gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
-from gradaccum.window.state import state_variable
 from gradaccum.window.observers import MicroBatch, WindowUpdate
+from gradaccum.window.state import state_variable
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.

@@ -49,9 +49,9 @@ import numbers
 
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum.window.observers import WindowObserver
 from gradaccum.window.state import state_variable
 from gradaccum.window.wrapper import optimizer_chain
-from gradaccum.window.observers import WindowObserver
 
 DEFAULT_DECAY = 0.99
 """Decay of the moving averages (about the last 100 windows count)."""
