@@ -78,12 +78,12 @@ def recompute(block):
 
     Raises:
       TypeError: when ``block`` is not callable.
-      RuntimeError (when called): under eager execution.
-      ValueError (when called): when the block returns no tensor, holds a
-        stateful op other than a random op, a variable read or an
+      RuntimeError: when the returned callable is called under eager execution.
+      ValueError: when the returned callable's block returns no tensor, holds
+        a stateful op other than a random op, a variable read or an
         assertion (an assignment, a queue, a collective), holds v1 control
         flow (``tf.cond``/``tf.while_loop`` built with v1 control flow) or
-        another recomputed block.
+        another recomputed block; the message names the op.
 
     Example:
       >>> for i in range(12):
