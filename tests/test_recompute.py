@@ -94,8 +94,8 @@ def _assert_identical(actual, expected):
 def test_fused_train_op_is_bit_identical(opt_name):
     sparse = opt_name not in DENSE_ONLY
     batches = _batches(2)
-    expected = _fused(OPTIMIZERS[opt_name], batches, make_model(False, sparse=sparse))
-    actual = _fused(OPTIMIZERS[opt_name], batches, make_model(True, sparse=sparse))
+    expected = _fused(OPTIMIZERS[opt_name], batches, make_model(False, blocks=2, sparse=sparse))
+    actual = _fused(OPTIMIZERS[opt_name], batches, make_model(True, blocks=2, sparse=sparse))
     _assert_identical(actual, expected)
 
 
@@ -103,8 +103,8 @@ def test_fused_train_op_is_bit_identical(opt_name):
 def test_one_run_per_update_is_bit_identical(opt_name):
     sparse = opt_name not in DENSE_ONLY
     batches = _batches(2)
-    expected = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(False, sparse=sparse))[0]
-    actual = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(True, sparse=sparse))[0]
+    expected = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(False, blocks=2, sparse=sparse))[0]
+    actual = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(True, blocks=2, sparse=sparse))[0]
     _assert_identical(actual, expected)
 
 
