@@ -2,8 +2,7 @@
 
 GradientAccumulator applies the average gradient of 50 micro-batches once: the update of a
 batch of 5,000 in the memory of 100. global_step counts updates, as the schedule does.
-With --in-graph, one session.run per update splits the whole batch inside the graph. With --recompute,
-each conv block's activations are not kept: the block runs again in the backward pass."""
+With --in-graph, one session.run per update splits the whole batch inside the graph."""
 import argparse
 import importlib.util
 import json
@@ -34,21 +33,16 @@ import gradaccum  # noqa: E402
 import fashion_mnist_data  # noqa: E402
 
 
-def build_logits(images, is_training, width, batch_norm=None, momentum=0.5, recompute=False):
+def build_logits(images, is_training, width, batch_norm=None, momentum=0.5):
     """Five conv + batch-norm + leaky-ReLU blocks of width * 1..5 channels, then a dense layer."""
     batch_norm = batch_norm or gradaccum.batch_normalization  # moving statistics once per update
-
-    def conv_block(net, block, stride):
-        net = tf.compat.v1.layers.conv2d(net, width * block, 3, stride, "same", use_bias=False,
-                                         name="conv%d" % block)
-        net = batch_norm(net, momentum=momentum, epsilon=1e-5, training=is_training, name="bn%d" % block)
-        return tf.nn.leaky_relu(net)
-    if recompute:  # only each block's input is kept; the block runs again when its gradient is needed
-        conv_block = gradaccum.recompute(conv_block)
     with tf.compat.v1.variable_scope("model", reuse=tf.compat.v1.AUTO_REUSE):
         net = images
         for block, stride in enumerate((1, 2, 2, 1, 1), 1):
-            net = conv_block(net, block, stride)
+            net = tf.compat.v1.layers.conv2d(net, width * block, 3, stride, "same", use_bias=False,
+                                             name="conv%d" % block)
+            net = batch_norm(net, momentum=momentum, epsilon=1e-5, training=is_training, name="bn%d" % block)
+            net = tf.nn.leaky_relu(net)
         return tf.compat.v1.layers.dense(tf.compat.v1.layers.flatten(net), 10, name="logits")
 
 
@@ -59,15 +53,14 @@ def learning_rate(step, peak, warmup, total):
     return tf.where(step < warmup, peak * (step + 1) / warmup, decay)
 
 
-def build(width, subdivisions, rate, statistics=False, in_graph=False, recompute=False):
+def build(width, subdivisions, rate, statistics=False, in_graph=False):
     """The placeholders, the model, the loss and the train op (run once per micro-batch, or per update)."""
     images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1], name="images")
     labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
     is_training = tf.compat.v1.placeholder_with_default(True, [], name="is_training")
 
     def model_fn(images, labels):
-        # A recomputed block holds no tf.cond: its batch norm is told "training" as a Python bool.
-        logits = build_logits(images, True if recompute else is_training, width, recompute=recompute)
+        logits = build_logits(images, is_training, width)
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
 
     loss = None if in_graph else model_fn(images, labels)
@@ -101,7 +94,6 @@ def parse_args(argv=None):
     add("--data-dir", help="a directory with the four Fashion-MNIST IDX files")
     add("--seed", type=int, default=0, help="initial weights and shuffling (0)")
     add("--in-graph", action="store_true", help="one session.run per update, the batch split inside the graph")
-    add("--recompute", action="store_true", help="recompute each block's activations in the backward pass")
     add("--logdir", help="write TensorBoard summaries here, once per update")
     add("--json", type=argparse.FileType("w"), help="write the run's figures to this file")
     add("--verbose", action="store_true", help="show TensorFlow's log messages")
@@ -128,7 +120,7 @@ def main(args):
     tf.compat.v1.disable_v2_behavior()  # graph mode; TensorFlow 1.x needs no such line
     tf.compat.v1.set_random_seed(args.seed)
     model = build(args.width, k, lambda step: learning_rate(step, args.learning_rate, 10, total),
-                  statistics=args.logdir is not None, in_graph=args.in_graph, recompute=args.recompute)
+                  statistics=args.logdir is not None, in_graph=args.in_graph)
     runs = 1 if args.in_graph else k  # per update; a run takes batch // runs examples
     writer = args.logdir and (tf.compat.v1.summary.FileWriter(args.logdir), gradaccum.summaries(model["opt"]))
     rng, accuracies, x, y = np.random.RandomState(args.seed), [], model["images"], model["labels"]

@@ -344,3 +344,20 @@ def test_gradient_function_errors():
     v1.train.Optimizer.__init__(innermost, False, "scaled")
     with pytest.raises(ValueError, match="`gradients` .* would replace the loss scaling of"):
         gradaccum.GradientAccumulator(innermost, K, gradients=_tf_gradients)
+
+
+def test_the_example_trains_exactly_the_plain_models_updates(tmp_path):
+    """``examples/recompute.py --check``: every variable and slot equal to the plain model's, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("sklearn")  # The example's data when no Fashion-MNIST is found: sklearn's digits.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0")  # TF 2.x's fused float32 kernels: float32 rounding
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "recompute.py"), "--updates", "2",
+                           "--batch-size", "32", "--blocks", "2", "--width", "8", "--check", "--one-run"],
+                          cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "largest difference of" in done.stdout and done.stdout.split("slots: ")[1].split()[0] == "0", done.stdout
