@@ -259,16 +259,18 @@ _RUN_KEYS = ("date", "quick", "mode", "machine", "tensorflow", "seconds", "load_
 
 
 def _merged(path, summary, family_names):
-    """``path``'s figures with this run's added: its own run facts under ``"<families>_run"``, ``raw`` and
-    ``verdicts`` merged per key, the other keys replaced."""
+    """``path``'s figures with this run's added: its own run facts under ``"<families>_run"``, ``raw`` merged
+    per family, ``verdicts`` per target it measured, the other keys replaced."""
     try:
         with open(path) as stream:
             merged = json.load(stream)
     except (OSError, ValueError):
         merged = {}
     for key, value in summary.items():
-        if key in ("raw", "verdicts"):
+        if key == "raw":
             merged.setdefault(key, {}).update(value)
+        elif key == "verdicts":  # Only the targets this run measured.
+            merged.setdefault(key, {}).update((k, v) for k, v in value.items() if summary.get(k) is not None)
         elif key not in _RUN_KEYS:
             merged[key] = value
     merged["_".join(family_names) + "_run"] = dict((key, summary[key]) for key in _RUN_KEYS)

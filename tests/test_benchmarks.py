@@ -478,3 +478,34 @@ def test_sharded_bench_summarizes_memory_three_ways_and_the_exchanges_alone():
     assert out["collectives_p4_stage1_exchange_over_unsharded"] == pytest.approx(1.5)  # worker 0's
     assert out["collectives_p4_reduce_scatter"] == "Failed to get CollectiveExecutor"
     assert out["collectives_p4_all_gather_seconds"] == 0.12
+
+
+def test_recompute_summary_gives_the_three_ratios_beside_their_a_a_and_merge_keeps_other_keys(tmp_path):
+    import recompute
+
+    results = []
+    for repeat in range(3):
+        for config, peak, micro, seconds in (("plain", 60, 400, 2e-4), ("plain_twin", 60, 400, 2e-4),
+                                             ("recompute", 15, 2800, 2.2e-4)):
+            results.append({"spec": {"kind": "memory", "config": config, "repeat": repeat}, "tf_peak_bytes": peak})
+            results.append({"spec": {"kind": "budget", "config": config, "repeat": repeat}, "largest_that_ran": micro,
+                            "fused_seconds_per_example": seconds, "ingraph_seconds_per_example": seconds})
+    results.append({"spec": {"kind": "time", "repeat": 0},
+                    "times": {"plain": [1.0, 1.0], "plain_twin": [1.0, 1.1], "recompute": [1.2, 1.2]}})
+    keys, lines = recompute.summarize(results)
+    assert keys["recompute_peak_over_plain_peak"] == 0.25 and keys["recompute_peak_over_plain_peak_aa"] == 1.0
+    assert keys["recompute_micro_batch_over_plain_micro_batch"] == 7.0
+    assert keys["recompute_over_plain_time"] == pytest.approx(1.2) and keys["recompute_over_plain_time_ci95"]
+    assert keys["recompute_verdicts"] == {"recompute_peak_over_plain_peak": "met", "recompute_over_plain_time": "met",
+                                          "recompute_micro_batch_over_plain_micro_batch": "met"}
+    assert any("| >= 2.50 | met |" in line for line in lines)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"fused_over_plain_time": 1.01, "verdicts": {"fused_over_plain_time": "met"},
+                                "raw": {"peers": []}, "date": "then"}))
+    summary = dict(keys, date="now", quick=False, mode="tf1", machine="m", tensorflow=[], seconds=1.0,
+                   load_average=[1.0, 1.0], command="c", failures=[], raw={"recompute": results},
+                   verdicts={"fused_over_plain_time": "not measured"})
+    merged = run._merged(str(path), summary, ["recompute"])
+    assert merged["fused_over_plain_time"] == 1.01 and merged["verdicts"] == {"fused_over_plain_time": "met"}
+    assert merged["date"] == "then" and merged["recompute_run"]["date"] == "now"
+    assert set(merged["raw"]) == {"peers", "recompute"} and merged["recompute_peak_over_plain_peak"] == 0.25

@@ -94,8 +94,8 @@ def _assert_identical(actual, expected):
 def test_fused_train_op_is_bit_identical(opt_name):
     sparse = opt_name not in DENSE_ONLY
     batches = _batches(2)
-    expected = _fused(OPTIMIZERS[opt_name], batches, make_model(False, sparse=sparse))
-    actual = _fused(OPTIMIZERS[opt_name], batches, make_model(True, sparse=sparse))
+    expected = _fused(OPTIMIZERS[opt_name], batches, make_model(False, blocks=2, sparse=sparse))
+    actual = _fused(OPTIMIZERS[opt_name], batches, make_model(True, blocks=2, sparse=sparse))
     _assert_identical(actual, expected)
 
 
@@ -103,8 +103,8 @@ def test_fused_train_op_is_bit_identical(opt_name):
 def test_one_run_per_update_is_bit_identical(opt_name):
     sparse = opt_name not in DENSE_ONLY
     batches = _batches(2)
-    expected = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(False, sparse=sparse))[0]
-    actual = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(True, sparse=sparse))[0]
+    expected = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(False, blocks=2, sparse=sparse))[0]
+    actual = _subdivided(OPTIMIZERS[opt_name], batches, model=make_model(True, blocks=2, sparse=sparse))[0]
     _assert_identical(actual, expected)
 
 
@@ -344,3 +344,20 @@ def test_gradient_function_errors():
     v1.train.Optimizer.__init__(innermost, False, "scaled")
     with pytest.raises(ValueError, match="`gradients` .* would replace the loss scaling of"):
         gradaccum.GradientAccumulator(innermost, K, gradients=_tf_gradients)
+
+
+def test_the_example_trains_exactly_the_plain_models_updates(tmp_path):
+    """``examples/recompute.py --check``: every variable and slot equal to the plain model's, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("sklearn")  # The example's data when no Fashion-MNIST is found: sklearn's digits.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0")  # TF 2.x's fused float32 kernels: float32 rounding
+    done = subprocess.run([sys.executable, os.path.join(root, "examples", "recompute.py"), "--updates", "2",
+                           "--batch-size", "32", "--blocks", "2", "--width", "8", "--check", "--one-run"],
+                          cwd=str(tmp_path), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "largest difference of" in done.stdout and done.stdout.split("slots: ")[1].split()[0] == "0", done.stdout

@@ -78,12 +78,12 @@ def recompute(block):
 
     Raises:
       TypeError: when ``block`` is not callable.
-      RuntimeError (when called): under eager execution.
-      ValueError (when called): when the block returns no tensor, holds a
-        stateful op other than a random op, a variable read or an
+      RuntimeError: when the returned callable is called under eager execution.
+      ValueError: when the returned callable's block returns no tensor, holds
+        a stateful op other than a random op, a variable read or an
         assertion (an assignment, a queue, a collective), holds v1 control
         flow (``tf.cond``/``tf.while_loop`` built with v1 control flow) or
-        another recomputed block.
+        another recomputed block; the message names the op.
 
     Example:
       >>> for i in range(12):
@@ -129,7 +129,7 @@ def _register_gradient():
         return
     try:
         tf.RegisterGradient(GRADIENT_NAME)(_gradient)
-    except KeyError:  # Registered by an earlier import of this module (a reload): that function reads op._plan too.
+    except KeyError:  # By an earlier import of this module (a reload): its function reads the same op attribute.
         pass
     _registered.append(GRADIENT_NAME)
 
@@ -233,7 +233,7 @@ class _Plan(object):
 def _copy_ops(ops, mapping):
     """Copies ``ops`` (in creation order) with inputs remapped through ``mapping``; fills ``mapping``.
 
-    An input that ``mapping`` lacks is a reused random op's forward output, read as it is.
+    An input that ``mapping`` lacks (a random op's, a constant's) is the forward tensor, read as it is.
     """
     graph = tf.compat.v1.get_default_graph()
     copies = {}
@@ -256,7 +256,7 @@ def _on_device(device):
 
 
 def _mapped(tensor, mapping):
-    """The copy's tensor for a forward tensor (a reused random op's output is itself)."""
+    """The copy's tensor for a forward tensor (a random op's or a constant's output is itself)."""
     return mapping.get(tensor.name, tensor)
 
 
