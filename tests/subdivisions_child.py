@@ -3,7 +3,9 @@
 Run by ``python -m gradaccum.launch --workers P -- python tests/subdivisions_child.py --out PREFIX``
 (``TF_CONFIG`` names the task). For each engine of ``--engines`` (``collective``:
 ``CollectiveAllReduce``; ``clip``: the same with ``clip_norm=CLIP_NORM``;
-``stage1``: ``ShardedAllReduce``), every worker builds
+``stage1``: ``ShardedAllReduce``; ``recompute``: ``CollectiveAllReduce`` with
+the whole model one block that ``gradaccum.recompute`` recomputes in the
+backward pass), every worker builds
 the test module's model, takes worker 0's initial values, and runs
 ``UPDATES`` updates, one run each: worker p feeds its share of the batch
 (``SHARES[p]`` examples of it), split into ``K`` micro-batches inside the
@@ -30,10 +32,11 @@ def _run(tf, engine, config, server, out):
     start = sum(SHARES[:rank])
     make = gradaccum.ShardedAllReduce if engine == "stage1" else gradaccum.CollectiveAllReduce
     clip = {"clip_norm": CLIP_NORM} if engine == "clip" else {}
+    model = gradaccum.recompute(shared._model) if engine == "recompute" else shared._model
     with tf.Graph().as_default() as graph:
         feeds = shared._placeholders()
         acc = gradaccum.GradientAccumulator(make(shared.OPTIMIZERS["adam"](), config, timeout_seconds=60), K, **clip)
-        result = gradaccum.subdivisions.minimize(acc, shared._model, feeds,
+        result = gradaccum.subdivisions.minimize(acc, model, feeds,
                                                  global_step=tf.compat.v1.train.get_or_create_global_step())
         broadcast = cluster.broadcast_variables(config, tf.compat.v1.trainable_variables())
         init = tf.compat.v1.global_variables_initializer()
@@ -51,7 +54,7 @@ def _run(tf, engine, config, server, out):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--engines", default="collective,clip,stage1")
+    parser.add_argument("--engines", default="collective,clip,stage1,recompute")
     args = parser.parse_args(argv)
     tf = sharded_child.start_tensorflow()
     # No heartbeat: a peer that finishes first is not a failure here.
