@@ -41,7 +41,10 @@ setup(
         "tf": ["tensorflow>=2.15", "tf-keras>=2.15"],
         # tf-slim: tests/test_integrations.py (TF 2.x; TF 1.15 has tf.contrib.slim, and it installs there too).
         # pyyaml: tests/test_deploy.py checks its manifest reader against yaml.safe_load.
-        "test": ["pytest>=6", "pytest-timeout>=1.4", "tf-slim>=1.1", "psutil>=5.6", "pyyaml>=5.1"] + _EXAMPLES + _DOCS,
+        # pytest-xdist: the README's test command runs on 2 workers (--dist loadgroup needs >= 2.5;
+        # pip picks 3.5 on Python 3.7, the last release for it).
+        "test": ["pytest>=6", "pytest-timeout>=1.4", "pytest-xdist>=2.5", "tf-slim>=1.1", "psutil>=5.6",
+                 "pyyaml>=5.1"] + _EXAMPLES + _DOCS,
         "examples": _EXAMPLES,
         "docs": _DOCS,
         "bench": ["tensorpack>=0.11", "psutil>=5.6"],

@@ -48,6 +48,40 @@ def pytest_configure(config):
     os.environ["GRADACCUM_TF_MODE"] = mode  # Subprocesses started by tests follow.
 
 
+@pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N --dist loadgroup``, keeps together on one worker what must not be split.
+
+    * The multi-process tests (marker ``distributed``) run one at a time, on
+      one worker: each starts 2 or 3 TensorFlow processes, which fill 2 cores,
+      and several of them check that a job ends within a time bound.
+    * The tests of a module that share a module-scoped fixture (a reference
+      run, a job run once for several tests, a site build) run on one worker,
+      so that it is made once, not once per worker.
+
+    Every other test goes to whichever worker is free. Without pytest-xdist
+    the marks change nothing.
+    """
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            group = "distributed"
+        elif any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() if defs):
+            group = item.nodeid.split("::")[0]
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session")
+def fork_server():
+    """Runs Python programs forked from one process that imported TensorFlow (``tests/forkserver.py``)."""
+    import forkserver
+
+    server = forkserver.ForkServer()
+    yield server
+    server.close()
+
+
 def pytest_report_header(config):
     import tensorflow as tf
 

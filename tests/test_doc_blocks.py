@@ -26,9 +26,9 @@ The rule (also stated in the README and the docs' README):
 The blocks choose their own TensorFlow behaviour, so they run in the
 ``--tf-mode=tf1`` session only; the ``tf2`` session checks the bash blocks.
 A ```python block runs in a child forked from one process that has imported
-TensorFlow and nothing else (``tests/forkserver.py``): a fresh process state
-without paying the import for each block, as if its first line were
-``import tensorflow``.
+TensorFlow and nothing else (``tests/forkserver.py``, the ``fork_server``
+fixture): a fresh process state without paying the import for each block, as
+if its first line were ``import tensorflow``.
 Test ids name the file and the fence's line: ``docs/guides/towers.md:L42-python``.
 """
 import collections
@@ -40,8 +40,6 @@ import sys
 import textwrap
 
 import pytest
-
-import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120  # Seconds per block: a block should take < 20 s, TensorFlow's import included.
@@ -111,14 +109,6 @@ def _check_exit(returncode, stdout, stderr):
         returncode, stdout[-3000:], stderr[-5000:])
 
 
-@pytest.fixture(scope="module")
-def programs():
-    """The module's fork server: runs the python blocks, TensorFlow imported once."""
-    server = forkserver.ForkServer()
-    yield server
-    server.close()
-
-
 def _example_flags(script, seen=None):
     """The option strings of ``examples/<script>`` and of the ``examples/_*.py`` helpers it imports."""
     seen = set() if seen is None else seen
@@ -162,7 +152,7 @@ def test_no_block_escapes_the_rules():
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[_id(block) for block in BLOCKS])
-def test_block(block, tmp_path, tf_mode, programs):
+def test_block(block, tmp_path, tf_mode, fork_server):
     if block.marker in SKIP_MARKERS:
         pytest.skip("marked %s" % block.marker)
     if block.language == "bash" and block.marker != RUN_MARKER:
@@ -173,7 +163,7 @@ def test_block(block, tmp_path, tf_mode, programs):
     if block.language == "python":
         path = tmp_path / "doc_block.py"
         path.write_text(block.code, encoding="utf-8")
-        _check_exit(*programs.run(str(path), str(tmp_path), _env(), TIMEOUT))
+        _check_exit(*fork_server.run(str(path), str(tmp_path), _env(), TIMEOUT))
     else:
         _run(["bash", "-euo", "pipefail", "-c", block.code], ROOT)
 

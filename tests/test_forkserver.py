@@ -48,9 +48,13 @@ def test_programs_do_not_see_each_others_state(server, tmp_path):
     script = _program(tmp_path, """
         import sys, tensorflow as tf
         assert not hasattr(sys, "forkserver_mark"), "state left by the previous program"
-        assert tf.executing_eagerly(), "a behaviour chosen by the previous program"
+        fresh = tf.__version__.startswith("2")  # Eager by default on TF 2, graph mode on TF 1.15.
+        assert tf.executing_eagerly() == fresh, "a behaviour chosen by the previous program"
         sys.forkserver_mark = True
-        tf.compat.v1.disable_eager_execution()
+        if fresh:
+            tf.compat.v1.disable_eager_execution()
+        else:
+            tf.compat.v1.enable_eager_execution()
     """)
     for _ in range(2):
         assert server.run(script, str(tmp_path), ENV, 60)[0] == 0
