@@ -108,6 +108,7 @@ def _row(k, cell, full, params, feed):
 def _table(config, rows, label=None):
     """The rows of ``config`` (the results' key) as a table, its columns headed ``label`` (``config`` by default)."""
     prefix, bound = ("", "params") if config == "ours" else (config + "_", "2 params")
+    label = label or config
     cells = [[row["k"], harness.mb(row["plain"]["peak_rss_bytes"]), harness.mb(row[config]["peak_rss_bytes"]),
               harness.fmt(row[prefix + "over_micro_plus_params"]), harness.fmt(row[prefix + "over_full"]),
               harness.mb(row["plain"]["tf_peak_bytes"]), harness.mb(row[config]["tf_peak_bytes"]),

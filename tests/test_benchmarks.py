@@ -260,6 +260,8 @@ def test_memory_summary_takes_medians_and_the_largest_k():
     assert keys["ingraph_peak_over_full_batch_peak"] == pytest.approx(663.0 / 901.0)
     assert keys["ingraph_feed_bytes"] == 2 * MB
     assert "| 4 | 651 MB | 663 MB | 1.015 | 0.736 | 75 MB | 80 MB | 1.039 | 0.267 |" in lines
+    headers = [line for line in lines if line.startswith("| k |")]
+    assert [h.split(" | ")[2] for h in headers] == ["peak RSS, ours", "peak RSS, one-run"], headers
     assert any("fed the whole batch (2.0 MB of inputs)" in line and "1.013 (TF)" in line for line in lines)
     assert "| k | peak RSS, plain B/k | peak RSS, one-run | one-run / (plain + 2 params) | one-run / full |" \
         " TF peak, plain | TF peak, one-run | TF: one-run / (plain + 2 params) | TF: one-run / full |" in lines
