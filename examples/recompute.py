@@ -34,23 +34,29 @@ import gradaccum  # noqa: E402
 import fashion_mnist_data  # noqa: E402
 
 
+def seeded(number):
+    """Kernels seeded by layer, not by op count (TF 1.15's default), so both models start alike."""
+    return tf.compat.v1.glorot_uniform_initializer(seed=number)
+
+
 def block(h, index, hidden):
     """``h + W2 relu(W1 h)``: the feed-forward half of a transformer layer."""
     with tf.compat.v1.variable_scope("block_%d" % index):
-        inner = tf.compat.v1.layers.dense(h, hidden, tf.nn.relu, name="up")
-        return h + tf.compat.v1.layers.dense(inner, h.shape[-1], name="down")
+        inner = tf.compat.v1.layers.dense(h, hidden, tf.nn.relu, name="up", kernel_initializer=seeded(2 * index))
+        return h + tf.compat.v1.layers.dense(inner, h.shape[-1], name="down", kernel_initializer=seeded(2 * index + 1))
 
 
 def make_model_fn(blocks, width, recompute):
     def model_fn(images, labels):
         with tf.compat.v1.variable_scope("model", reuse=tf.compat.v1.AUTO_REUSE):
-            h = tf.compat.v1.layers.dense(tf.reshape(images, [-1, 28 * 28]), width, name="embed")
+            h = tf.compat.v1.layers.dense(tf.reshape(images, [-1, 28 * 28]), width, name="embed",
+                                          kernel_initializer=seeded(1000))
             for index in range(blocks):
                 if recompute:  # the one changed line: only h is kept, the block runs again in backprop
                     h = gradaccum.recompute(block)(h, index, 4 * width)
                 else:
                     h = block(h, index, 4 * width)
-            logits = tf.compat.v1.layers.dense(h, 10, name="logits")
+            logits = tf.compat.v1.layers.dense(h, 10, name="logits", kernel_initializer=seeded(1001))
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
     return model_fn
 
