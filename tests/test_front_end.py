@@ -221,3 +221,18 @@ def test_variables_device_none_is_the_first_device_in_both_forms():
         acc = gradaccum.GradientAccumulator(OPTIMIZERS["sgd"](), 2)
         gradaccum.subdivisions.minimize(acc, _model, _placeholders(), devices=["/cpu:1"], variables_device=None)
         assert {v.device for v in v1.trainable_variables()} == {"/device:CPU:1"}
+
+
+def test_window_batch_norm_needs_an_example_in_every_tower_when_it_runs():
+    """A fed batch smaller than the towers would normalise an empty shard: one clear error, nothing applied."""
+    with tf.Graph().as_default():
+        feeds = [v1.placeholder(tf.float64, [None, 4]), v1.placeholder(tf.float64, [None])]
+        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 2)
+        train = gradaccum.subdivisions.minimize(acc, _window_bn_model, feeds, devices=["/cpu:0", "/cpu:1"]).train_op
+        with v1.Session(config=v1.ConfigProto(device_count={"CPU": 2})) as sess:
+            sess.run(v1.global_variables_initializer())
+            before = _named(sess)
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match="`inputs` must give every tower an example with window batch norm"):
+                sess.run(train, {feeds[0]: np.ones((1, 4)), feeds[1]: np.ones(1)})
+            _assert_equal_values(_named(sess), before)

@@ -63,7 +63,7 @@ def _called(inputs, count, every_tower):
         if len(batches[index]) != len(batches[0]):
             raise ValueError("`inputs()` must return the same number of inputs for every tower, got %d for "
                              "tower 0 and %d for tower %d" % (len(batches[0]), len(batches[index]), index))
-    sizes = [_batch_size(batch) for batch in batches]
+    sizes = [batch_size(batch) for batch in batches]
     needy = range(count) if every_tower else [0]
     for index in needy:
         if isinstance(sizes[index], int) and sizes[index] < 1:
@@ -89,8 +89,18 @@ def _too_few_called(every_tower):
     return "`inputs()` must give the first tower at least one example"
 
 
-def _batch_size(batch):
-    """The leading dimension shared by ``batch``: a Python int when static, else a tensor."""
+def batch_size(batch):
+    """The leading dimension shared by ``batch``: a Python int when static, else a scalar int32 tensor.
+
+    Args:
+      batch: a list of tensors and ``tf.SparseTensor`` (from :func:`check_inputs`).
+
+    Returns:
+      An int or a scalar int32 tensor.
+
+    Example:
+      >>> n = batch_size([images, labels])
+    """
     for tensor in batch:
         if static_leading(tensor) is not None:
             return static_leading(tensor)

@@ -234,12 +234,23 @@ class _Tower(object):
         """
         if self.first is None:
             # A later tower whose shard may be empty at run time runs no model then, unless its update
-            # ops or window statistics must see it (they need every tower to have an example).
+            # ops or window statistics must see it: they need every tower to have an example.
             guarded = self._source.may_be_empty and not first.stats and self._model.update_ops != ALL
-            self.build_first(first if guarded else None)
+            with tf.control_dependencies(self._needs_an_example(first) if not guarded else []):
+                self.build_first(first if guarded else None)
         self._reuse = True  # The loop's micro-batches reuse the first one's variables.
         with self._building():
             return summed_loop(self._model, self._source, self.first, state, dtypes, previous)
+
+
+    def _needs_an_example(self, first):
+        """A run-time check that this tower's shard is not empty, where window statistics must see it."""
+        if not (self._source.may_be_empty and first.stats):
+            return []  # update_ops="all": the batch's size was checked against the towers already.
+        return [tf.compat.v1.assert_positive(
+            self._source.size, name="tower_%d_has_an_example" % self._model.tower,
+            message="`inputs` must give every tower an example with window batch norm (an empty tower's "
+                    "batch statistics are NaN); tower, examples:")]
 
 
 def _guarded_micro_batch(model, source, first_outputs):
@@ -353,7 +364,8 @@ def _input_sources(inputs, k, towers, every_tower):
     if callable(inputs) and not isinstance(inputs, (tf.Tensor, tf.Variable, tf.SparseTensor)):
         pulled = _Source(lambda i: _pulled(inputs), k, None, False)
         return [pulled] * towers
-    k = k if tf.get_static_value(k) is None else int(tf.get_static_value(k))
+    static_k = tf.get_static_value(k)
+    k = k if static_k is None else int(static_k)
     tensors, n = _checked_batch(splitting.check_inputs(inputs, "inputs"), towers if every_tower else 1)
     sources = []
     for index in range(towers):
@@ -384,13 +396,13 @@ def _pulled(inputs):
 
 def _checked_batch(tensors, needed):
     """``(tensors, n)``: the inputs and their batch size n, after checks that n >= ``needed`` and they agree."""
-    static = [splitting.static_leading(tensor) for tensor in tensors if splitting.static_leading(tensor) is not None]
-    if static:
-        if static[0] < needed:
+    n = splitting.batch_size(tensors)
+    if isinstance(n, int):
+        if n < needed:
             raise ValueError("`inputs` must hold at least %d example%s, got a batch of %d"
-                             % (needed, "s, one per tower with update_ops='all'" if needed > 1 else "", static[0]))
-        return splitting.checked(tensors, static[0], []), static[0]
-    n = tf.identity(splitting.leading(tensors[0]), name="batch_size")
+                             % (needed, "s, one per tower with update_ops='all'" if needed > 1 else "", n))
+        return splitting.checked(tensors, n, []), n
+    n = tf.identity(n, name="batch_size")
     enough = tf.compat.v1.assert_greater_equal(
         n, needed, name="enough_examples",
         message="`inputs` must hold at least one example (one per tower with update_ops='all'); batch, needed:")
