@@ -328,7 +328,8 @@ def test_heartbeat_lives_in_its_own_module_and_cluster_and_ingraph_do_not_import
     assert cluster.Heartbeat is heartbeat.Heartbeat is gradaccum.Heartbeat
     assert cluster.HEARTBEAT_EXIT_STATUS == 75 and cluster.DEFAULT_HEARTBEAT_SECONDS == 30.0
     assert cluster.StopSignal is ingraph.StopSignal and cluster.ClusterError is gradaccum.ClusterError
-    code = "import sys, gradaccum.distributed.ingraph; print(' '.join(m for m in sys.modules if m.startswith('gradaccum.')))"
+    code = ("import sys, gradaccum.distributed.ingraph; "
+            "print(' '.join(m for m in sys.modules if m.startswith('gradaccum.')))")
     done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           universal_newlines=True, timeout=120)
     loaded = done.stdout.split()

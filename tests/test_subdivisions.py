@@ -609,7 +609,8 @@ def test_sparse_inputs_are_sliced_exactly(towers):
         x = v1.sparse_placeholder(tf.float64, [None, 4])
         feeds = [x] + _placeholders()[1:]
         acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 3)
-        result = gradaccum.subdivisions.minimize(acc, _sparse_model, feeds, devices=["/cpu:%d" % i for i in range(towers)],
+        devices = ["/cpu:%d" % i for i in range(towers)]
+        result = gradaccum.subdivisions.minimize(acc, _sparse_model, feeds, devices=devices,
                                                  global_step=v1.train.get_or_create_global_step())
         with v1.Session(config=v1.ConfigProto(device_count={"CPU": towers})) as sess:
             sess.run(v1.global_variables_initializer())

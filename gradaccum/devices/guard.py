@@ -12,9 +12,11 @@ No kernel ever sees the empty shard: some cannot take one (TF 1.15's fused
 LSTM aborts the process). The variables already exist (the first tower,
 never empty, created them), so the branch only reads them. The cond is a
 v1 one in either TF behaviour, so the tower's ops stay in the graph, placed
-on the tower's device, and a run of the loss alone prunes the gradients. Ops the branch adds to ``UPDATE_OPS`` cannot be
-run from outside it; ``tower.minimize`` only guards towers whose update ops
-it does not run. Variables: none. Collections: none of its own.
+on the tower's device, and a run of the loss alone prunes the gradients.
+Ops the branch adds to ``UPDATE_OPS`` cannot be run from outside it; both
+forms only guard towers whose update ops they do not run (the one-run form
+guards a later tower's first micro-batch). Variables: none. Collections:
+none of its own.
 """
 from gradaccum._compat import tf, v1_control_flow
 

@@ -23,8 +23,9 @@ shard sizes.
 Inputs: one batch (tensors or ``tf.SparseTensor``, split by rows) or a
 callable that each tower calls for its own batch (an iterator's
 ``get_next``; the towers then weigh their own example counts); see
-``gradaccum.devices.splitting``. ``model_fn`` may return ``(loss, outputs)``:
-the per-example outputs come back concatenated in batch order.
+``gradaccum.devices.splitting``. ``model_fn`` may return
+``ModelResult(loss, outputs=...)``: the per-example outputs come back
+concatenated in batch order.
 
 A batch smaller than the number of towers works, and no model runs on an
 empty shard: tower 0 always has an example; a later tower that a static
@@ -51,13 +52,13 @@ from gradaccum._compat import tf
 from gradaccum.devices import context as tower_context
 from gradaccum.devices import guard as tower_guard
 from gradaccum.devices import splitting
+from gradaccum.devices.model import (check_model_fn, check_outputs, checked_var_list, read_result, resolved_var_list,
+                                     tower_scope)
+from gradaccum.devices.placement import device_function, placement as checked_placement
 from gradaccum.window.accumulator import GradientAccumulator
 from gradaccum.window.gradients import normalized
 from gradaccum.window.update_ops import FIRST, chosen_update_ops
 from gradaccum.window.wrapper import optimizer_chain
-from gradaccum.devices.model import (check_model_fn, check_outputs, checked_var_list, read_result, resolved_var_list,
-                                     tower_scope)
-from gradaccum.devices.placement import device_function, placement as checked_placement
 
 
 class TowerTraining(collections.namedtuple("TowerTraining", ["train_op", "loss", "towers"])):
@@ -98,6 +99,7 @@ Attributes:
   loss: scalar, the mean loss over this tower's shard.
   grads_and_vars: this tower's ``(gradient, variable)`` pairs, unweighted.
 """
+
 
 def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None, var_list=None,
              variables_device="/cpu:0", update_ops=FIRST, name="tower"):
@@ -149,11 +151,11 @@ def minimize(optimizer, model_fn, inputs, *, devices=None, global_step=None, var
     var_list = checked_var_list(var_list)
     with tf.compat.v1.name_scope(name) as scope:
         batches = splitting.tower_batches(inputs, len(placement.devices), update_ops == "all")
-    plan = _plan(name, placement, batches, guard=update_ops != "all")
+    plan = _plan(name, placement, batches, update_ops != "all", var_list)
     # What synchronized layers see (batch_norm.py).
     rank, workers = _collective_worker(optimizer)
     group = tower_context.TowerGroup(plan.devices, plan.batches.sizes, worker=rank, workers=workers)
-    towers, tower_update_ops, tower_outputs = _build_towers(optimizer, model_fn, plan, group, var_list)
+    towers, tower_update_ops, tower_outputs = _build_towers(optimizer, model_fn, plan, group)
     chosen = update_ops if isinstance(update_ops, list) else {
         "first": tower_update_ops[0], "all": sum(tower_update_ops, [])}[update_ops]
     weights = _check_weights(plan.batches.sizes, len(towers))
@@ -224,13 +226,13 @@ def _check_arguments(optimizer, model_fn, devices, variables_device, update_ops,
     return checked, chosen_update_ops(update_ops, "tower.minimize", none_means="none")
 
 
-def _plan(name, placement, batches, guard):
+def _plan(name, placement, batches, guard, var_list):
     """The towers to build: those whose batch is not known to be empty."""
     devices, variables_device = placement.devices, placement.variables_device
     indices = [i for i, size in enumerate(batches.sizes) if not (isinstance(size, int) and size == 0)]
     kept = splitting.Batches(batches.batch_size, [batches.sizes[i] for i in indices],
-                                 [batches.shards[i] for i in indices])
-    return _Plan(name, indices, [devices[i] for i in indices], variables_device, kept, guard, {})
+                             [batches.shards[i] for i in indices])
+    return _Plan(name, indices, [devices[i] for i in indices], variables_device, kept, guard, var_list, {})
 
 
 def _collective_worker(optimizer):
@@ -243,25 +245,24 @@ def _collective_worker(optimizer):
 
 # How to build the towers; `returned` records what the first tower's model_fn returned.
 _Plan = collections.namedtuple("_Plan", ["name", "indices", "devices", "variables_device", "batches", "guard",
-                                         "returned"])
+                                         "var_list", "returned"])
 
 
-def _build_towers(optimizer, model_fn, plan, group, var_list):
+def _build_towers(optimizer, model_fn, plan, group):
     """Builds one tower per device that may have examples.
 
     Returns the towers, each tower's update ops and each tower's outputs.
     """
     towers, update_ops, outputs = [], [], []
     for position in range(len(plan.indices)):
-        built = _build_tower(optimizer, model_fn, plan, group, position, outputs[0] if outputs else None,
-                             var_list)
+        built = _build_tower(optimizer, model_fn, plan, group, position, outputs[0] if outputs else None)
         towers.append(built[0])
         update_ops.append(built[1])
         outputs.append(built[2])
     return towers, update_ops, outputs
 
 
-def _build_tower(optimizer, model_fn, plan, group, position, first_outputs, var_list):
+def _build_tower(optimizer, model_fn, plan, group, position, first_outputs):
     """Tower ``position``: ``(Tower, its UPDATE_OPS, its flat outputs)``."""
     graph = tf.compat.v1.get_default_graph()
     known = _variable_names(graph)
@@ -275,7 +276,7 @@ def _build_tower(optimizer, model_fn, plan, group, position, first_outputs, var_
         guarded = position and plan.guard and not isinstance(size, int) and not group.synchronized
         if guarded:  # On the tower's device, so that the cond's switches of the shard are too.
             shard = [splitting.identity(tensor) for tensor in shard]
-        run = functools.partial(_run_model, optimizer, model_fn, shard, (index, plan.returned), var_list)
+        run = functools.partial(_run_model, optimizer, model_fn, shard, (index, plan.returned), plan.var_list)
         if guarded:
             loss, grads_and_vars, outputs = tower_guard.run_if(size > 0, run, first_outputs)
         else:
