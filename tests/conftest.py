@@ -61,7 +61,19 @@ def pytest_collection_modifyitems(config, items):
 
     Every other test goes to whichever worker is free. Without pytest-xdist
     the marks change nothing.
+
+    A test marked ``one_behaviour`` skips in the ``--tf-mode=tf2`` session:
+    what it proves (a launcher's or a job's handling of processes, signals,
+    restarts, a cluster's variables) does not depend on the behaviour, and
+    its variables and graphs are the code paths that other tests check in
+    both sessions.
     """
+    if config.getoption("--tf-mode") != "tf1":
+        skip = pytest.mark.skip(reason="one_behaviour: what it proves does not depend on the TensorFlow behaviour; "
+                                       "it runs in the tf1 session")
+        for item in items:
+            if item.get_closest_marker("one_behaviour") is not None:
+                item.add_marker(skip)
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             group = "distributed"
@@ -70,6 +82,24 @@ def pytest_collection_modifyitems(config, items):
         else:
             continue
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _programs_fork_from_one_tensorflow_import():
+    """Serves ``forkserver.command()``: programs that tests start fork from one TensorFlow import.
+
+    A test's child run as ``forkserver.command() + [program, args...]``
+    instead of ``[sys.executable, program, args...]`` starts in about 0.1 s
+    instead of 6 s of CPU (``tests/forkserver.py``); every other test is as
+    before. The variable that names the server is set for this session.
+    """
+    import forkserver
+
+    server = forkserver.ForkServer().start()
+    os.environ[forkserver.ENV_VAR] = server.path
+    yield server
+    os.environ.pop(forkserver.ENV_VAR, None)
+    server.close()
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,13 @@
 import collections
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import gradaccum
+import forkserver
 from scalar_problem import scalar_problem
 
 v1 = tf.compat.v1
@@ -23,7 +23,7 @@ def resumed_dir(tmp_path_factory):
     """Runs the child twice: stop and save mid-window, then restore in a fresh process."""
     directory = str(tmp_path_factory.mktemp("resume"))
     for phase in ("first", "second"):
-        subprocess.run([sys.executable, os.path.join(HERE, "resume_child.py"), phase, directory],
+        subprocess.run(forkserver.command() + [os.path.join(HERE, "resume_child.py"), phase, directory],
                        check=True, timeout=240)
     return directory
 

@@ -20,6 +20,7 @@ import tensorflow as tf
 import bn_worker_child as child
 import gradaccum
 from gradaccum import _compat, cluster, launch, tower
+import forkserver
 from test_distributed import _Job, _assert_gone
 
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bn_worker_child.py")
@@ -163,7 +164,7 @@ def _reference(k, opt, sizes=tuple(_SIZES)):
 def _workers(tmp_path, k, opt, sync, towers=1, sizes=tuple(_SIZES)):
     """Runs the two workers (``towers`` CPU towers each); returns each worker's variables."""
     out = str(tmp_path / ("%s_%d" % ("sync" if sync else "local", towers)))
-    command = [sys.executable, "-m", "gradaccum.launch", "--workers", "2", "--", sys.executable, _CHILD,
+    command = [sys.executable, "-m", "gradaccum.launch", "--workers", "2", "--", *forkserver.command(), _CHILD,
                "--out", out, "--k", str(k), "--opt", opt, "--steps", str(_STEPS), "--towers", str(towers),
                "--sizes", ",".join(map(str, sizes))] + ([] if sync else ["--no-sync"])
     job = _Job(2, None, command=command)

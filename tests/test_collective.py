@@ -21,6 +21,7 @@ import pytest
 import gradaccum
 from gradaccum import cluster, launch
 from gradaccum._compat import tf
+import forkserver
 from test_distributed import _EXAMPLE, _WEIGHTS, _Job, _assert_matches, _env, _launch, _stop_and_wait
 
 pytestmark = pytest.mark.timeout(180)
@@ -341,12 +342,14 @@ def test_workers_under_the_adaptive_policy_agree_on_every_window_size(tmp_path):
         np.testing.assert_array_equal(other[name], run[name], err_msg=name)
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 def test_a_stopped_worker_ends_the_job_within_the_bound_and_a_restart_resumes(parabola_reference, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     args = ["--engine", "collective", "--checkpoint-dir", ckpt, "--checkpoint-every", "5",
             "--heartbeat-timeout", str(_HEARTBEAT)]
-    job = _Job(3, args + ["--steps", "100000"], launcher_args=["--grace", "2"])
+    # A fresh Python per task: a forked one's stand-in cannot pass SIGSTOP on (tests/forkserver.py).
+    job = _Job(3, args + ["--steps", "100000"], launcher_args=["--grace", "2"], python=[sys.executable])
     stopped_pid = int(job.wait_for_line(r"started worker:2 \(pid (\d+)\)", 60).group(1))
     job.wait_for_line(r"^\[worker:0\] saved checkpoint at global_step 10$", 150)
     status, elapsed, out, err = _stop_and_wait(job, stopped_pid)
@@ -363,10 +366,11 @@ def test_a_stopped_worker_ends_the_job_within_the_bound_and_a_restart_resumes(pa
     _assert_matches(dict(np.load(out_file)), parabola_reference(saved + 6), first_step=saved)
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 def test_a_killed_worker_ends_the_other_without_a_launcher(tmp_path):
     spec = launch.build_cluster(2, 0, "127.0.0.1", launch.pick_free_ports(2))
-    command = [sys.executable, _EXAMPLE, "--engine", "collective", "--steps", "100000", "--log-every", "20",
+    command = forkserver.command() + [_EXAMPLE, "--engine", "collective", "--steps", "100000", "--log-every", "20",
                "--heartbeat-timeout", str(_HEARTBEAT)]
     procs = [subprocess.Popen(command, env=dict(_env(), TF_CONFIG=launch.tf_config_for(spec, "worker", i)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)

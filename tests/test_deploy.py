@@ -29,6 +29,7 @@ import pytest
 import tensorflow as tf
 
 from gradaccum import cluster, launch
+import forkserver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,7 +113,7 @@ def _with_flag(command, flag, value):
 def _local_command(command, steps, checkpoint_dir=None, out=None):
     """A guide's ``python examples/...`` command, run with this Python from the repository's root."""
     assert command[0] == "python"
-    command = [sys.executable, os.path.join(_ROOT, command[1])] + command[2:]
+    command = forkserver.command() + [os.path.join(_ROOT, command[1])] + command[2:]
     command = _with_flag(command, "--steps", str(steps))
     if checkpoint_dir is not None:
         command = _with_flag(command, "--checkpoint-dir", checkpoint_dir)
@@ -407,7 +408,7 @@ def _write_fashion(directory, num_train, num_test, seed=0):
 def _workers_command(command, save):
     """The guide's ``workers.py`` command with this Python, ``_WORKERS_FLAGS`` and ``--save save``."""
     assert command[:2] == ["python", "examples/workers.py"]
-    command = [sys.executable, os.path.join(_ROOT, command[1])] + command[2:]
+    command = forkserver.command() + [os.path.join(_ROOT, command[1])] + command[2:]
     for flag, value in sorted(dict(_WORKERS_FLAGS, **{"--save": save}).items()):
         command = _with_flag(command, flag, value) if flag in command else command + [flag, value]
     return command
@@ -426,6 +427,7 @@ def _test_accuracy(variables, images, labels):
     return float(np.mean(np.argmax(logits, 1) == labels))
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_tfjob_chief_two_workers_train_as_one_process_and_the_evaluator_is_not_waited_for(tmp_path):
@@ -486,12 +488,13 @@ def test_tfjob_chief_two_workers_train_as_one_process_and_the_evaluator_is_not_w
     assert float(accuracy) == round(_test_accuracy(ours, arrays["test_images"], arrays["test_labels"]), 4)
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_a_master_and_a_worker_train_as_one_process(parabola_reference, tmp_path):
     addresses = ["127.0.0.1:%d" % port for port in launch.pick_free_ports(2)]
     spec, out = {"master": addresses[:1], "worker": addresses[1:]}, str(tmp_path / "run.npz")
-    command = [sys.executable, os.path.join(_ROOT, "examples", "parabola_sync.py"), "--engine", "collective",
+    command = [*forkserver.command(), os.path.join(_ROOT, "examples", "parabola_sync.py"), "--engine", "collective",
                "--steps", str(_STEPS), "--out", out]
     with _Tasks(tmp_path) as tasks:
         for job in ("master", "worker"):
@@ -518,6 +521,7 @@ def _free_port_pair(count=2):
     pytest.fail("no %d consecutive free ports found" % count)
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_srun_tasks_of_the_guides_sbatch_script_train_as_one_process(parabola_reference, scontrol_dir, tmp_path):
@@ -554,6 +558,7 @@ def _horovod_with_mpi():
     return None
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_the_guides_horovod_script_under_its_mpirun_line_trains_as_one_process(parabola_reference, tmp_path):

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from gradaccum._compat import tf
+import forkserver
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(180)]
 
@@ -40,9 +41,11 @@ def _env():
 _LAUNCH_MODULE = [sys.executable, "-m", "gradaccum.launch"]
 
 
-def _command(workers, args, ps=0, launcher_args=()):
+def _command(workers, args, ps=0, launcher_args=(), python=None):
+    """The launcher's command line; its tasks fork from one TensorFlow import unless ``python`` is given."""
+    python = forkserver.command() if python is None else python
     return (_LAUNCH_MODULE + ["--workers", str(workers), "--ps", str(ps)] + list(launcher_args)
-            + ["--", sys.executable, _EXAMPLE] + args)
+            + ["--"] + python + [_EXAMPLE] + args)
 
 
 def _descendants(pid):
@@ -66,8 +69,8 @@ def _assert_gone(pids):
 class _Job(object):
     """A launcher subprocess whose output lines are collected by threads."""
 
-    def __init__(self, workers, args, ps=0, launcher_args=(), command=None):
-        command = _command(workers, args, ps, launcher_args) if command is None else command
+    def __init__(self, workers, args, ps=0, launcher_args=(), command=None, python=None):
+        command = _command(workers, args, ps, launcher_args, python) if command is None else command
         self.process = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, universal_newlines=True)
         self.lines = queue.Queue()
@@ -181,6 +184,7 @@ def test_accumulation_on_top_matches_one_process_on_the_same_batch(parabola_refe
     _assert_matches(dict(np.load(out_file)), parabola_reference(_STEPS))
 
 
+@pytest.mark.one_behaviour
 def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(parabola_reference, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     job = _Job(2, ["--steps", "100000", "--checkpoint-dir", ckpt, "--checkpoint-every", "50"])
@@ -201,10 +205,13 @@ def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(p
     _assert_matches(dict(np.load(out_file)), parabola_reference(saved + 50), first_step=saved)
 
 
+@pytest.mark.one_behaviour
 def test_a_stopped_worker_ends_the_in_graph_job_within_the_heartbeat_bound():
     # Session timeouts do not end a chief's run that waits on a stopped worker;
     # the chief's cluster.Heartbeat does, within its timeout + 1 s.
-    job = _Job(2, ["--steps", "100000", "--heartbeat-timeout", "5"], launcher_args=["--grace", "2"])
+    # A fresh Python per task: a forked one's stand-in cannot pass SIGSTOP on (tests/forkserver.py).
+    job = _Job(2, ["--steps", "100000", "--heartbeat-timeout", "5"], launcher_args=["--grace", "2"],
+               python=[sys.executable])
     worker_pid = int(job.wait_for_line(r"started worker:1 \(pid (\d+)\)", 60).group(1))
     job.wait_for_line(r"^\[worker:0\] global_step 50 loss", 120)
     status, elapsed, out, err = _stop_and_wait(job, worker_pid)

@@ -28,6 +28,7 @@ REAL_DATA = "/usr/share/datasets/fashion-mnist"
 sys.path.insert(0, EXAMPLES)
 
 import fashion_mnist_data  # noqa: E402
+import forkserver  # noqa: E402
 import fashion_mnist_subdivision as example  # noqa: E402
 
 
@@ -44,10 +45,12 @@ def write_fashion(directory, num_train=80, num_test=20, seed=0, gz=True):
     return arrays
 
 
-def run(script, args, cwd, timeout=300, env=None):
+def run(script, args, cwd, timeout=300, env=None, fresh=False):
     """Runs ``examples/<script>`` with ``args``; HOME and the Debian data place point at ``cwd`` (no data).
 
-    A script that chooses its TensorFlow behaviour itself (all but those that
+    The script runs forked from one TensorFlow import (``tests/forkserver.py``),
+    or with ``fresh=True`` in a fresh Python: for what only a fresh import
+    shows, such as TensorFlow's log lines. A script that chooses its TensorFlow behaviour itself (all but those that
     read ``GRADACCUM_TF_MODE``) runs the same program in both sessions: the
     test skips in the ``--tf-mode=tf2`` session, as the docs' programs do.
     """
@@ -58,7 +61,8 @@ def run(script, args, cwd, timeout=300, env=None):
     environ = dict(os.environ, HOME=str(cwd), GRADACCUM_SYSTEM_DATASETS=str(cwd))
     environ.update(env or {})
     environ.pop("KERAS_HOME", None)
-    return subprocess.run([sys.executable, os.path.join(EXAMPLES, script)] + [str(a) for a in args],
+    python = [sys.executable] if fresh else forkserver.command()
+    return subprocess.run(python + [os.path.join(EXAMPLES, script)] + [str(a) for a in args],
                           cwd=str(cwd), env=environ, timeout=timeout, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, universal_newlines=True)
 
@@ -168,7 +172,7 @@ EPOCH = re.compile(r"^epoch (\d+): step (\d+), train loss (\d+\.\d{4}), test acc
 def test_main_example_prints_its_lines_quietly_and_writes_its_json(tmp_path, data_dir):
     proc = run("fashion_mnist_subdivision.py", ["--data-dir", data_dir, "--width", "2", "--batch-size", "40",
                                                 "--subdivisions", "4", "--epochs", "2", "--json",
-                                                tmp_path / "run.json"], tmp_path)
+                                                tmp_path / "run.json"], tmp_path, fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[:2] == ["data: Fashion-MNIST from %s, 80 train / 20 test examples" % data_dir,
@@ -196,7 +200,7 @@ def test_main_example_prints_its_lines_quietly_and_writes_its_json(tmp_path, dat
 def test_main_example_verbose_lets_tensorflow_speak_and_logdir_writes_once_per_update(tmp_path, data_dir, form):
     proc = run("fashion_mnist_subdivision.py", ["--data-dir", data_dir, "--width", "1", "--batch-size", "40",
                                                 "--subdivisions", "2", "--epochs", "1", "--verbose",
-                                                "--logdir", tmp_path / "runs"] + form, tmp_path)
+                                                "--logdir", tmp_path / "runs"] + form, tmp_path, fresh=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line for line in proc.stderr.splitlines() if not line.startswith("update ")]  # TensorFlow's lines
     steps = []
@@ -461,6 +465,7 @@ def _checkpoint(prefix):
     return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_two_workers_under_the_launcher_train_the_variables_of_one_process(tmp_path, data_dir):
@@ -471,7 +476,7 @@ def test_two_workers_under_the_launcher_train_the_variables_of_one_process(tmp_p
     assert re.match(r"^done: global_step 4, 1 workers x 4 micro-batches of 5 per update", one.stdout.splitlines()[1])
     env = dict(os.environ, HOME=str(tmp_path), GRADACCUM_SYSTEM_DATASETS=str(tmp_path))
     job = subprocess.run([sys.executable, "-m", "gradaccum.launch", "--workers", "2", "--no-port-warning", "--",
-                          sys.executable, os.path.join(EXAMPLES, "workers.py")] + [str(f) for f in flags]
+                          *forkserver.command(), os.path.join(EXAMPLES, "workers.py")] + [str(f) for f in flags]
                          + ["--save", str(tmp_path / "two")], env=env, cwd=ROOT, timeout=240,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+import forkserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,7 +58,7 @@ def test_bad_input_raises_one_clear_error(kwargs, error, message):
 
 @pytest.mark.slow
 def test_under_a_memory_cap_the_choice_runs_and_its_double_does_not():
-    done = subprocess.run([sys.executable, os.path.join(HERE, "finder_child.py"), "600"],
+    done = subprocess.run(forkserver.command() + [os.path.join(HERE, "finder_child.py"), "600"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
     lines = done.stdout.strip().splitlines()
     assert lines and lines[0].startswith("{"), done.stderr[-3000:]

@@ -1,11 +1,14 @@
-"""tests/forkserver.py runs a program as ``python program.py`` would: what the docs' blocks rely on.
+"""tests/forkserver.py runs a program as ``python program.py`` would: what the docs' blocks and the
+multi-process tests rely on.
 
 One server for the module (its TensorFlow import is the only slow part); each
 test checks one thing a fresh process gives a program: its own ``__main__``,
 argv, working directory and environment, its stdout and stderr, its exit
-status, and a timeout that kills it.
+status or signal, signals sent to it, and a kill or timeout that ends it and
+what it started.
 """
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -15,12 +18,14 @@ import pytest
 
 import forkserver
 
+pytestmark = pytest.mark.one_behaviour  # The harness, not the library: the same in both behaviours.
+
 ENV = dict(os.environ, FORKSERVER_PROBE="probe")  # One environment: the server restarts for another.
 
 
 @pytest.fixture(scope="module")
 def server():
-    handle = forkserver.ForkServer()
+    handle = forkserver.ForkServer(ENV).start()
     yield handle
     handle.close()
 
@@ -90,3 +95,56 @@ def test_timeout_kills_the_program_and_what_it_started(server, tmp_path):
     time.sleep(4)
     assert not marker.exists(), "the program's child outlived the timeout"
     assert server.run(_program(tmp_path, "pass\n"), str(tmp_path), ENV, 60)[0] == 0
+
+
+def test_arguments_and_pythonunbuffered_reach_the_program_and_the_client_relays_sigterm(server, tmp_path):
+    script = _program(tmp_path, """
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(sys.argv[1])))
+        print("ready")  # Unflushed: PYTHONUNBUFFERED makes it arrive now, as in a fresh process.
+        time.sleep(60)
+    """)
+    env = dict(server.environ(ENV), PYTHONUNBUFFERED="1")
+    client = subprocess.Popen(forkserver.command() + [script, "7"], env=env,
+                              stdout=subprocess.PIPE, universal_newlines=True)
+    assert client.stdout.readline() == "ready\n"
+    client.terminate()
+    assert client.wait(30) == 7
+
+
+def test_a_program_killed_by_a_signal_kills_its_client_with_it(server, tmp_path):
+    script = _program(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert server.run(script, str(tmp_path), ENV, 60)[0] == -signal.SIGKILL
+
+
+def test_a_killed_client_takes_its_program_and_what_it_started(server, tmp_path):
+    marker = tmp_path / "survived"
+    script = _program(tmp_path, """
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); open(%r, 'w').close()"])
+        print("started", flush=True)
+        time.sleep(3)
+        open(%r, "w").close()
+    """ % (str(marker), str(marker)))
+    client = subprocess.Popen(forkserver.command() + [script], env=server.environ(ENV),
+                              stdout=subprocess.PIPE, universal_newlines=True)
+    assert client.stdout.readline() == "started\n"
+    client.kill()
+    assert client.wait(30) == -signal.SIGKILL
+    assert client.stdout.read() == ""  # Every writer of the pipe has gone: the program and its child.
+    time.sleep(4)
+    assert not marker.exists(), "the program or its child outlived its client"
+
+
+@pytest.mark.parametrize("change", ["another-tf-variable", "no-server"])
+def test_another_tensorflow_import_variable_or_no_server_runs_a_fresh_python(server, tmp_path, change):
+    script = _program(tmp_path, "import os, sys\nprint('tensorflow' in sys.modules, os.getppid())\n")
+    env = server.environ(ENV)
+    if change == "no-server":
+        del env[forkserver.ENV_VAR]
+    else:
+        env["TF_FORKSERVER_PROBE"] = "1"  # A TF_ variable: TensorFlow's import could read it.
+    client = subprocess.Popen(forkserver.command() + [script], env=env, stdout=subprocess.PIPE,
+                              universal_newlines=True)
+    out, _ = client.communicate(timeout=60)
+    assert out == "False %d\n" % os.getpid()  # Exec'd in place: this test's child, no TensorFlow loaded.

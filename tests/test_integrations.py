@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+import forkserver
 
 TF_VERSION = tuple(int(part) for part in tf.__version__.split(".")[:2])
 EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -508,7 +509,7 @@ def test_a_run_failing_at_its_input_adds_nothing(weighted):
 def _run_example(script, *args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(EXAMPLES_DIR)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    return subprocess.run([sys.executable, os.path.join(EXAMPLES_DIR, script)] + list(args), env=env,
+    return subprocess.run(forkserver.command() + [os.path.join(EXAMPLES_DIR, script)] + list(args), env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
                           timeout=300)
 

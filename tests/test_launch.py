@@ -24,7 +24,8 @@ import pytest
 import gradaccum
 from gradaccum import cluster, launch
 
-pytestmark = pytest.mark.timeout(60)
+# The launcher and its tasks here do not use the session's TensorFlow behaviour: tf1 session only.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.one_behaviour]
 
 # Each task prints its TF_CONFIG task and then behaves as argv[1] says.
 _TASK = textwrap.dedent("""
@@ -480,16 +481,9 @@ def test_the_launcher_warns_once_about_open_ports_unless_silenced(flags):
         assert done.stderr.index("warning:") < done.stderr.index("started worker:0")
 
 
-def _once_per_suite(tf_mode):
-    """Skips a long test in the tf2 session: neither the launcher nor its tasks follow the session's behaviour."""
-    if tf_mode != "tf1":
-        pytest.skip("the launcher and these tasks do not use the session's TensorFlow behaviour: tf1 session only")
-
-
-def test_a_killed_chief_is_named_as_the_cause_not_the_workers_that_fail_after_it(tmp_path, tf_mode):
+def test_a_killed_chief_is_named_as_the_cause_not_the_workers_that_fail_after_it(tmp_path):
     # 20 kills: 19 restarts, then the launcher gives up. Each other worker
     # exits 1 about 30 ms after the chief dies, inside the launcher's poll.
-    _once_per_suite(tf_mode)
     start = time.time()
     status, _, err = _run(["--workers", "3", "--max-restarts", "19", "--grace", "1"], "chief_killed", tmp_path)
     seconds = time.time() - start
@@ -600,8 +594,7 @@ _SAVE_TASK = textwrap.dedent("""
 
 
 @pytest.mark.distributed
-def test_a_chief_killed_inside_saver_save_restarts_with_no_temporary_files_left(tmp_path, tf_mode):
-    _once_per_suite(tf_mode)
+def test_a_chief_killed_inside_saver_save_restarts_with_no_temporary_files_left(tmp_path):
     ckpt, script = tmp_path / "ckpt", tmp_path / "save_task.py"
     ckpt.mkdir()
     script.write_text(_SAVE_TASK)

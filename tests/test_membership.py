@@ -16,7 +16,6 @@ Adam's state, for the collective engine and ShardedAllReduce stages 1 and 2.
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ import pytest
 import gradaccum
 from gradaccum import membership
 from gradaccum._compat import tf
+import forkserver
 from test_collective import _config
 from test_distributed import _LAUNCH_MODULE, _env
 from test_deploy import _Tasks, _free_port_pair, scontrol_dir  # noqa: F401  (a fixture)
@@ -191,6 +191,7 @@ def _assert_equal_to_one_process(out, engine, workers, want):
 _UPDATES = 6
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 def test_a_scheduler_that_grows_the_job_from_2_to_3_workers_resumes_every_engine_exactly(tmp_path):
     out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
@@ -204,6 +205,7 @@ def test_a_scheduler_that_grows_the_job_from_2_to_3_workers_resumes_every_engine
         _assert_equal_to_one_process(out, engine, 3, _reference(_UPDATES))
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 def test_a_slurm_job_requeued_on_3_tasks_after_2_resumes_exactly(scontrol_dir, tmp_path):
     """``from_environment()`` reads the requeued allocation's srun variables: the new P, the same global batch."""
@@ -213,7 +215,7 @@ def test_a_slurm_job_requeued_on_3_tasks_after_2_resumes_exactly(scontrol_dir, t
         with _Tasks(tmp_path) as tasks:
             names = ["p%d-task%d" % (tasks_now, rank) for rank in range(tasks_now)]
             for rank, name in enumerate(names):  # What srun sets for task `rank` of one node.
-                tasks.start(name, [sys.executable, _CHILD, "--updates", str(updates), "--checkpoint-dir", ckpt,
+                tasks.start(name, [*forkserver.command(), _CHILD, "--updates", str(updates), "--checkpoint-dir", ckpt,
                                    "--out", out], _deploy_env(
                     PATH="%s%s%s" % (scontrol_dir, os.pathsep, os.environ["PATH"]), FAKE_HOSTS="127.0.0.1",
                     SLURM_PROCID=str(rank), SLURM_NTASKS=str(tasks_now), SLURM_NODEID="0",
@@ -228,7 +230,7 @@ def _launch_with_restarts(engine, tmp_path):
     """3 workers under the launcher; worker 2 is SIGKILLed mid-window of update 3; returns (stdout, stderr)."""
     out, ckpt = str(tmp_path / "run"), str(tmp_path / "ckpt")
     command = _LAUNCH_MODULE + ["--workers", "3", "--max-restarts", "1", "--min-workers", "2", "--grace", "2",
-                                "--checkpoint-dir", os.path.join(ckpt, engine), "--", sys.executable, _CHILD,
+                                "--checkpoint-dir", os.path.join(ckpt, engine), "--", *forkserver.command(), _CHILD,
                                 "--engines", engine, "--updates", str(_UPDATES), "--kill-at", "3",
                                 "--checkpoint-dir", ckpt, "--out", out]
     proc = subprocess.run(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -237,6 +239,7 @@ def _launch_with_restarts(engine, tmp_path):
     return out, proc.stdout, proc.stderr
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 # Stage 1 resizes as stage 2 does (the 2 -> 3 test runs all three): two of them keep CI's time.
 @pytest.mark.parametrize("engine", ["collective", "stage2"])

@@ -19,7 +19,6 @@ the data (this process), to 1e-9.
 import glob
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,6 +26,7 @@ import pytest
 import gradaccum
 from gradaccum import consolidate, observers, sharded
 from gradaccum._compat import BROADCAST_FROM_ANY_TASK, loss_scale_optimizer_types, tf, v1_control_flow
+import forkserver
 from test_collective import _ancestors, _config
 from test_distributed import _env
 
@@ -421,7 +421,7 @@ def _run_job(workers, args, timeout=150, child_script=_CHILD):
     from gradaccum import launch
 
     spec = launch.build_cluster(workers, 0, "127.0.0.1", launch.pick_free_ports(workers))
-    procs = [subprocess.Popen([sys.executable, child_script] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = [subprocess.Popen(forkserver.command() + [child_script] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               universal_newlines=True,
                               env=dict(_env(), TF_CONFIG=launch.tf_config_for(spec, "worker", i)))
              for i in range(workers)]
@@ -492,6 +492,7 @@ def test_sharded_workers_equal_the_unsharded_engine_and_one_process(shares, engi
     assert not np.allclose(clipped["w1"], unsharded[0]["w1"], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.one_behaviour
 @pytest.mark.distributed
 @pytest.mark.parametrize("engine", ["sharded", "stage2"])
 def test_a_relaunch_after_sigkill_resumes_exactly_and_the_consolidation_continues_in_one_process(engine, tmp_path):

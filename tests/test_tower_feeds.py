@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import gradaccum
 from gradaccum import tower
+import forkserver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -34,7 +35,7 @@ def _session(graph):
 def empty_runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("empty") / "runs.npz")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, os.path.join(HERE, "tower_empty_child.py"), out], env=env,
+    done = subprocess.run(forkserver.command() + [os.path.join(HERE, "tower_empty_child.py"), out], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     assert done.returncode == 0, done.stdout.decode()[-3000:]  # An abort is a failure here.
     return dict(np.load(out))
