@@ -66,14 +66,16 @@ def pytest_collection_modifyitems(config, items):
     what it proves (a launcher's or a job's handling of processes, signals,
     restarts, a cluster's variables) does not depend on the behaviour, and
     its variables and graphs are the code paths that other tests check in
-    both sessions.
+    both sessions. A parametrisation marked ``one_behaviour(reason=...)``
+    repeats, in the tf2 session, the code path of another one that runs
+    there: the reason names it.
     """
     if config.getoption("--tf-mode") != "tf1":
-        skip = pytest.mark.skip(reason="one_behaviour: what it proves does not depend on the TensorFlow behaviour; "
-                                       "it runs in the tf1 session")
         for item in items:
-            if item.get_closest_marker("one_behaviour") is not None:
-                item.add_marker(skip)
+            marker = item.get_closest_marker("one_behaviour")
+            if marker is not None:
+                why = marker.kwargs.get("reason", "what it proves does not depend on the TensorFlow behaviour")
+                item.add_marker(pytest.mark.skip(reason="one_behaviour: %s; it runs in the tf1 session" % why))
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             group = "distributed"

@@ -483,7 +483,7 @@ def test_sharded_bench_summarizes_memory_three_ways_and_the_exchanges_alone():
 
 
 def test_recompute_summary_gives_the_three_ratios_beside_their_a_a_and_merge_keeps_other_keys(tmp_path):
-    import recompute
+    recompute = _bench_script("recompute")  # By path: examples/recompute.py has the same module name.
 
     results = []
     for repeat in range(3):

@@ -293,9 +293,14 @@ def _collective_args(out, shards, k, steps=_STEPS, extra=()):
             "--out", out] + list(extra)
 
 
+# 2 workers are the same engine and graphs as 3: the tf2 session runs the 3 workers' cases (k = 1 and 3) only.
+_TF2_RUNS_3_WORKERS = pytest.mark.one_behaviour(reason="the tf2 session runs 3 workers with the same k, the same path")
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("workers, shards, k", [(2, "30,20", 1), (2, "30,20", 3), (3, "10,25,15", 1),
-                                                (3, "10,25,15", 3)])
+@pytest.mark.parametrize("workers, shards, k", [
+    pytest.param(2, "30,20", 1, marks=_TF2_RUNS_3_WORKERS), pytest.param(2, "30,20", 3, marks=_TF2_RUNS_3_WORKERS),
+    (3, "10,25,15", 1), (3, "10,25,15", 3)])
 def test_workers_on_their_own_uneven_shares_match_one_process_on_the_union(workers, shards, k,
                                                                            parabola_reference, tmp_path):
     out = str(tmp_path / "run.npz")

@@ -162,7 +162,9 @@ def _assert_matches(run, ref, first_step=0):
         np.testing.assert_allclose(run[name], ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("workers, ps", [(2, 0), (3, 1)])
+@pytest.mark.parametrize("workers, ps", [
+    pytest.param(2, 0, marks=pytest.mark.one_behaviour(reason="the tf2 session runs 3 workers and a ps, the same path")),
+    (3, 1)])
 def test_workers_match_the_single_process_full_batch_run(workers, ps, parabola_reference, tmp_path):
     out_file = str(tmp_path / "run.npz")
     out, _ = _launch(workers, ["--steps", str(_STEPS), "--out", out_file], ps)
