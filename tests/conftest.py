@@ -97,7 +97,7 @@ def _programs_fork_from_one_tensorflow_import():
     """
     import forkserver
 
-    server = forkserver.ForkServer().start()
+    server = forkserver.ForkServer().start(wait=False)  # Its import overlaps the first tests; clients queue.
     os.environ[forkserver.ENV_VAR] = server.path
     yield server
     os.environ.pop(forkserver.ENV_VAR, None)

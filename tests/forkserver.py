@@ -76,15 +76,22 @@ class ForkServer(object):
         self.path = os.path.join(self._folder, "socket")  # Short: a socket's path has at most 107 bytes.
         self._proc = None
 
-    def start(self):
-        """Starts the server (it listens at once and imports TensorFlow in the background); returns self."""
+    def start(self, wait=True):
+        """Starts the server; returns self.
+
+        It listens at once (clients queue) and imports TensorFlow; with
+        ``wait`` this returns once that is done, so that a program's first
+        seconds are its own (a timeout, a test that reads it at once).
+        """
         if self._proc is None and hasattr(os, "fork"):
             self._proc = subprocess.Popen([sys.executable, _HERE, "--serve", self.path], env=self.env,
                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL)
-            deadline = time.monotonic() + 30
-            while not os.path.exists(self.path) and self._proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+        ready = self.path + ".ready" if wait else self.path
+        deadline = time.monotonic() + 120
+        while self._proc is not None and not os.path.exists(ready) and self._proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
         return self
 
     def environ(self, env):
@@ -199,6 +206,8 @@ def serve(path):
     listener.listen(64)  # Clients queue here while TensorFlow loads.
     import tensorflow  # noqa: F401  What every program would import first: the cost paid once.
 
+    open(path + ".ready", "w").close()
+
     signature, base_path, parent = import_signature(os.environ), list(sys.path), os.getppid()
     server_path = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [base_path[0]] + [p for p in base_path[1:] if os.path.abspath(p) not in server_path]
@@ -209,7 +218,7 @@ def serve(path):
             watched = [listener] + [conn for pid, conn in programs.items() if pid not in killed]
             for sock in select.select(watched, [], [], _POLL)[0]:
                 if sock is listener:
-                    _accept(listener, programs, signature, base_path)
+                    _accept(listener, programs, killed, signature, base_path)
                 else:  # A client sends nothing after its request: readable means it has gone.
                     pid = next(p for p, conn in programs.items() if conn is sock)
                     _kill_group(pid)
@@ -220,7 +229,7 @@ def serve(path):
             _kill_group(pid)
 
 
-def _accept(listener, programs, signature, base_path):
+def _accept(listener, programs, killed, signature, base_path):
     conn = listener.accept()[0]
     conn.settimeout(_REQUEST_SECONDS)  # A stopped or starved client must not hold up the others.
     try:
@@ -232,7 +241,7 @@ def _accept(listener, programs, signature, base_path):
         return
     conn.settimeout(None)
     if import_signature(request["env"]) != signature:
-        conn.sendall(b'{"fallback": "TensorFlow import variables differ"}\n')
+        _send(conn, '{"fallback": "TensorFlow import variables differ"}\n')
         conn.close()
     else:
         pid = os.fork()
@@ -242,9 +251,20 @@ def _accept(listener, programs, signature, base_path):
                 other.close()
             _become(request, fds, base_path)  # Never returns.
         programs[pid] = conn
-        conn.sendall(('{"pid": %d}\n' % pid).encode("ascii"))
+        if not _send(conn, '{"pid": %d}\n' % pid):  # Its client died while it asked (a timeout, a kill).
+            _kill_group(pid)
+            killed.add(pid)
     for fd in fds:
         os.close(fd)
+
+
+def _send(conn, line):
+    """Sends ``line`` to a client; False when the client has gone."""
+    try:
+        conn.sendall(line.encode("ascii"))
+        return True
+    except OSError:
+        return False
 
 
 def _read_exactly(conn, size):
@@ -268,18 +288,17 @@ def _reap(programs, killed):
         conn = programs.pop(pid, None)
         killed.discard(pid)
         if conn is not None:
-            try:
-                conn.sendall(('{"status": %d}\n' % status).encode("ascii"))
-            except OSError:
-                pass  # Its client has gone.
+            _send(conn, '{"status": %d}\n' % status)  # Unless its client has gone.
             conn.close()
 
 
 def _kill_group(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass  # The group is gone already.
+    """Kills a program and its process group: the program first, which may not have called setsid() yet."""
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass  # Gone already, or no group of its own yet (then it had started nothing).
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -81,14 +81,19 @@ def test_exit_status_and_message_are_a_fresh_processes(server, tmp_path, code, w
         assert stderr == fresh.stderr, (stderr, fresh.stderr)
 
 
-def test_timeout_kills_the_program_and_what_it_started(server, tmp_path):
+def _starting_a_child(tmp_path, then):
+    """A program that starts a child which writes ``survived`` 3 s later, prints "started", then runs ``then``."""
     marker = tmp_path / "survived"
-    script = _program(tmp_path, """
+    script = _program(tmp_path, textwrap.dedent("""
         import subprocess, sys, time
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); open(%r, 'w').close()"])
         print("started", flush=True)
-        time.sleep(60)
-    """ % str(marker))
+    """) % str(marker) + then)
+    return script, marker
+
+
+def test_timeout_kills_the_program_and_what_it_started(server, tmp_path):
+    script, marker = _starting_a_child(tmp_path, "time.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired) as info:
         server.run(script, str(tmp_path), ENV, 1)
     assert info.value.output == "started\n"
@@ -118,14 +123,7 @@ def test_a_program_killed_by_a_signal_kills_its_client_with_it(server, tmp_path)
 
 
 def test_a_killed_client_takes_its_program_and_what_it_started(server, tmp_path):
-    marker = tmp_path / "survived"
-    script = _program(tmp_path, """
-        import subprocess, sys, time
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); open(%r, 'w').close()"])
-        print("started", flush=True)
-        time.sleep(3)
-        open(%r, "w").close()
-    """ % (str(marker), str(marker)))
+    script, marker = _starting_a_child(tmp_path, "time.sleep(3)\nopen(%r, 'w').close()\n" % str(tmp_path / "survived"))
     client = subprocess.Popen(forkserver.command() + [script], env=server.environ(ENV),
                               stdout=subprocess.PIPE, universal_newlines=True)
     assert client.stdout.readline() == "started\n"
@@ -148,3 +146,20 @@ def test_another_tensorflow_import_variable_or_no_server_runs_a_fresh_python(ser
                               universal_newlines=True)
     out, _ = client.communicate(timeout=60)
     assert out == "False %d\n" % os.getpid()  # Exec'd in place: this test's child, no TensorFlow loaded.
+
+
+def test_a_client_killed_before_the_server_answers_leaves_it_serving(tmp_path):
+    cold = forkserver.ForkServer(ENV).start(wait=False)  # Still importing TensorFlow: the client waits.
+    try:
+        script, marker = _starting_a_child(tmp_path, "time.sleep(60)\n")
+        client = subprocess.Popen(forkserver.command() + [script], env=cold.environ(ENV), stdout=subprocess.DEVNULL)
+        time.sleep(0.5)
+        client.kill()
+        client.wait(10)
+        cold.start()  # Ready: it has read the dead client's request by now, or will next.
+        (tmp_path / "next").mkdir()
+        assert cold.run(_program(tmp_path / "next", "print('served')\n"), str(tmp_path), ENV, 60) == (0, "served\n", "")
+        time.sleep(4)
+        assert not marker.exists(), "the dead client's program ran"
+    finally:
+        cold.close()
