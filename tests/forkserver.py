@@ -30,6 +30,7 @@ It falls back to a fresh ``python program.py`` when no server listens, when
 server's. Python 3.7 syntax: TF 1.15's CI runs it.
 """
 import atexit
+import gc
 import io
 import json
 import os
@@ -381,10 +382,13 @@ def _exit(code):
     if shutdown is not None:
         shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
+    # A normal exit finalizes the files still open (argparse.FileType's, say), which flushes them: flush
+    # every one, the standard streams included. Scanning the objects takes about 0.2 s.
+    for stream in [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)] + [sys.stdout, sys.stderr]:
         try:
-            stream.flush()
-        except (OSError, ValueError):
+            if not stream.closed and stream.writable():
+                stream.flush()
+        except Exception:  # noqa: BLE001  A file that cannot flush would not have at a normal exit either.
             pass
     os._exit(code)
 

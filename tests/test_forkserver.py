@@ -65,6 +65,12 @@ def test_programs_do_not_see_each_others_state(server, tmp_path):
         assert server.run(script, str(tmp_path), ENV, 60)[0] == 0
 
 
+def test_a_file_left_open_is_written_at_exit_as_in_a_fresh_process(server, tmp_path):
+    script = _program(tmp_path, "HANDLE = open('left_open.txt', 'w')\nHANDLE.write('written')\n")
+    assert server.run(script, str(tmp_path), ENV, 60)[0] == 0
+    assert (tmp_path / "left_open.txt").read_text() == "written"
+
+
 @pytest.mark.parametrize("code, want_status, want_stderr", [
     ("import sys\nsys.exit(3)\n", 3, ""),
     ("import sys\nsys.exit('bad input')\n", 1, "bad input\n"),
