@@ -76,9 +76,7 @@ def test_window_batch_norm_on_towers_with_the_default_update_ops():
                     sess.run(train, {f: b[start:stop] for f, b in zip(feeds, batch)})
             expected = _named(sess)
     with tf.Graph().as_default():
-        feeds = [v1.placeholder(tf.float64, [None, 4]), v1.placeholder(tf.float64, [None])]
-        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 2)
-        train = gradaccum.subdivisions.minimize(acc, _window_bn_model, feeds, devices=["/cpu:0", "/cpu:1"]).train_op
+        feeds, train = _window_bn_one_run_on_two_towers()
         with v1.Session(config=v1.ConfigProto(device_count={"CPU": 2})) as sess:
             sess.run(v1.global_variables_initializer())
             for batch in batches:
@@ -86,6 +84,13 @@ def test_window_batch_norm_on_towers_with_the_default_update_ops():
             got = _named(sess)
     _assert_equal_values(got, expected)
     assert not np.allclose(got["bn/moving_mean"], 0.0)
+
+
+def _window_bn_one_run_on_two_towers():
+    """``_window_bn_model`` in the one-run form on two CPU towers, k = 2: ``(feeds, train_op)``."""
+    feeds = [v1.placeholder(tf.float64, [None, 4]), v1.placeholder(tf.float64, [None])]
+    acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 2)
+    return feeds, gradaccum.subdivisions.minimize(acc, _window_bn_model, feeds, devices=["/cpu:0", "/cpu:1"]).train_op
 
 
 def _named(sess):
@@ -226,9 +231,7 @@ def test_variables_device_none_is_the_first_device_in_both_forms():
 def test_window_batch_norm_needs_an_example_in_every_tower_when_it_runs():
     """A fed batch smaller than the towers would normalise an empty shard: one clear error, nothing applied."""
     with tf.Graph().as_default():
-        feeds = [v1.placeholder(tf.float64, [None, 4]), v1.placeholder(tf.float64, [None])]
-        acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 2)
-        train = gradaccum.subdivisions.minimize(acc, _window_bn_model, feeds, devices=["/cpu:0", "/cpu:1"]).train_op
+        feeds, train = _window_bn_one_run_on_two_towers()
         with v1.Session(config=v1.ConfigProto(device_count={"CPU": 2})) as sess:
             sess.run(v1.global_variables_initializer())
             before = _named(sess)
