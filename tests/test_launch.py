@@ -2,9 +2,11 @@
 
 The supervised tasks are short Python snippets (no TensorFlow), run by
 ``launch.main`` in this process, so each case takes well under a second unless
-it waits for a grace period on purpose. Two cases run in the tf1 session
-only: 20 restarts after a chief's kill (about 6 s), and a chief that saves
-with TensorFlow and is killed inside ``saver.save`` (``distributed``).
+it waits for a grace period on purpose. All run in the tf1 session only. The
+longest: 20 restarts after a chief's kill, 20 runs of a worker's failure
+followed 40 ms later by the chief's kill (about 10 s each), and a chief that
+saves with TensorFlow, plainly or sharded, and is killed inside
+``saver.save`` (``distributed``, about 5 s each).
 """
 import io
 import json
@@ -23,6 +25,7 @@ import pytest
 
 import gradaccum
 from gradaccum import cluster, launch
+from gradaccum.distributed import checkpoint_files
 
 # The launcher and its tasks here do not use the session's TensorFlow behaviour: tf1 session only.
 pytestmark = [pytest.mark.timeout(60), pytest.mark.one_behaviour]
@@ -31,28 +34,44 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.one_behaviour]
 _TASK = textwrap.dedent("""
     import json, os, random, signal, socket, subprocess, sys, time
 
+    def listen(workers):
+        # The chief listens on its own port and accepts every other worker.
+        host, port = workers[0].rsplit(":", 1)
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, int(port)))
+        server.listen(len(workers))
+        return [server.accept()[0] for _ in workers[1:]]  # Held open until the chief ends.
+
+    def connect(workers):
+        host, port = workers[0].rsplit(":", 1)
+        for _ in range(500):
+            try:
+                return socket.create_connection((host, int(port)))
+            except OSError:
+                time.sleep(0.01)
+
     def chief_killed(chief, workers):
         # The chief accepts every other worker, then is SIGKILLed at a random
         # moment of the launcher's poll; each other worker sees its connection
         # end and exits 1 about 30 ms later (a collective's UnavailableError).
-        host, port = workers[0].rsplit(":", 1)
-        address = (host, int(port))
         if chief:
-            server = socket.socket()
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind(address)
-            server.listen(len(workers))
-            peers = [server.accept()[0] for _ in workers[1:]]  # Held open until the kill.
+            peers = listen(workers)
             time.sleep(random.uniform(0.0, 0.1))
             os.kill(os.getpid(), signal.SIGKILL)
-        for _ in range(500):
-            try:
-                peer = socket.create_connection(address)
-                break
-            except OSError:
-                time.sleep(0.01)
-        peer.recv(1)
+        connect(workers).recv(1)
         time.sleep(0.03)
+        sys.exit(1)
+
+    def worker1_fails_then_chief_killed(chief, workers):
+        # worker:1 exits 1 at a random moment of the launcher's poll; the
+        # chief sees its connection end and is SIGKILLed 40 ms later.
+        if chief:
+            listen(workers)[0].recv(1)
+            time.sleep(0.04)
+            os.kill(os.getpid(), signal.SIGKILL)
+        peer = connect(workers)
+        time.sleep(random.uniform(0.0, 0.1))
         sys.exit(1)
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]
@@ -89,6 +108,8 @@ _TASK = textwrap.dedent("""
         sys.stdout.flush()
     if mode == "chief_killed":
         chief_killed(chief, json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    if mode == "worker1_fails_then_chief_killed":
+        worker1_fails_then_chief_killed(chief, json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
     if mode == "grandchild":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print("grandchild", child.pid)
@@ -218,6 +239,11 @@ def test_parse_args_takes_the_command_after_the_separator():
     (["--workers", "2", "--max-restarts", "1", "--min-workers", "3", "--", "python"],
      r"`--min-workers` must be in \[1, --workers\] = \[1, 2\], got 3; usage"),
     (["--workers", "2", "--max-restarts", "-1", "--", "python"], r"`--max-restarts` must be >= 0, got -1; usage"),
+    (["--workers", "2", "--max-restarts", "1", "--checkpoint-prefix", "model.ckpt", "--", "python"],
+     r"`--checkpoint-prefix` needs `--checkpoint-dir`; usage"),
+    (["--workers", "2", "--max-restarts", "1", "--checkpoint-dir", "/c", "--checkpoint-prefix", "sub/model.ckpt", "--",
+      "python"], r"`--checkpoint-prefix` must be a file name without a directory, such as model.ckpt, "
+                 r"got 'sub/model.ckpt'; usage"),
 ])
 def test_parse_args_errors_are_one_line(argv, match, capsys):
     with pytest.raises(SystemExit) as info:
@@ -226,6 +252,24 @@ def test_parse_args_errors_are_one_line(argv, match, capsys):
     assert info.value.code == 2
     assert err.count("\n") == 1 and err.startswith("gradaccum.launch: error:")
     assert re.search(match, err)
+
+
+def test_help_says_what_the_launcher_deletes_and_what_it_exits_with(capsys):
+    with pytest.raises(SystemExit) as info:
+        launch.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert ("after a failure the launcher deletes there (and in its shard-<r>-of-<P>/ directories, nowhere else) "
+            "TensorFlow's temporary files of the job's interrupted saves under --checkpoint-prefix, and says which "
+            "in one line") in text
+    assert "--checkpoint-prefix NAME with --checkpoint-dir: the file name the job saves under there" in text
+    assert ("Exit status: the chief's when the job ends without a failure; when a task fails, that of the task "
+            "that failed first") in text
+
+
+def test_the_prefix_defaults_to_model_ckpt():
+    args = launch.parse_args(["--workers", "2", "--max-restarts", "1", "--checkpoint-dir", "/c", "--", "python"])
+    assert (args.checkpoint_dir, args.checkpoint_prefix) == ("/c", "model.ckpt")
 
 
 def test_every_task_gets_its_tf_config_and_a_prefix(tmp_path):
@@ -428,8 +472,8 @@ def test_a_bad_flag_is_one_usage_line_without_tensorflow_or_runpy_warning(args):
     assert status == 2 and len(lines) == 1, err[-2000:]
     assert lines[0].startswith("gradaccum.launch: error: ")
     assert lines[0].endswith("; usage: python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] "
-                             "[--shutdown-timeout S] [--max-restarts N [--min-workers M] [--checkpoint-dir DIR]] "
-                             "[--verbose] [--no-port-warning] -- COMMAND [ARG ...]")
+                             "[--shutdown-timeout S] [--max-restarts N [--min-workers M] [--checkpoint-dir DIR "
+                             "[--checkpoint-prefix NAME]]] [--verbose] [--no-port-warning] -- COMMAND [ARG ...]")
     assert imported and not any(re.search(r"\| +(tensorflow|numpy)\b", line) for line in imported)
     assert "RuntimeWarning" not in err
     assert seconds < 3.0  # About 0.1 s on an idle machine; this one is shared.
@@ -500,6 +544,76 @@ def test_a_killed_chief_is_named_as_the_cause_not_the_workers_that_fail_after_it
     _assert_all_gone(_started_pids(err))
 
 
+def test_a_chief_killed_40_ms_after_a_worker_failed_is_the_root_cause_in_20_of_20_runs(tmp_path):
+    # worker:1 exits 1 at a random moment of the launcher's poll and the chief
+    # is SIGKILLed 40 ms later, inside the 0.1 s window: the chief is the root
+    # cause whatever the poll's phase. 20 runs: 19 restarts, then giving up.
+    start = time.time()
+    status, _, err = _run(["--workers", "2", "--max-restarts", "19", "--grace", "1"],
+                          "worker1_fails_then_chief_killed", tmp_path)
+    said = [line for line in err.splitlines() if "restart" in line or "giving up" in line]
+    print("\n%d runs in %.1f s" % (len(said), time.time() - start))
+    assert said == ["gradaccum.launch: restart %d of 19: worker:0 died with signal 9 (SIGKILL); restarting 2 "
+                    "workers from the newest checkpoint" % number for number in range(1, 20)] + [
+        "gradaccum.launch: giving up: worker:0 died with signal 9 (SIGKILL) after 19 restarts"], "\n".join(said)
+    stopping = [line for line in err.splitlines() if line.endswith("; stopping the other tasks")]
+    assert len(stopping) == 20 and all(line.startswith("gradaccum.launch: chief worker:0 (pid ") for line in stopping)
+    assert status == 137
+    _assert_all_gone(_started_pids(err))
+
+
+class _FakeProcess(object):
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        return self.returncode
+
+
+class _FakeTask(object):
+    """A task whose end the test sets: its status and the time its reaper recorded."""
+
+    def __init__(self, name, pid):
+        self.name, self.process, self.ended_at, self.pump = name, _FakeProcess(pid), None, None
+
+    def end(self, returncode, ended_at):
+        self.process.returncode = returncode
+        self.ended_at = ended_at
+
+    def signal_group(self, signum):
+        pass
+
+    def ended(self):
+        return self.ended_at is not None
+
+    def gone(self):
+        return True
+
+
+@pytest.mark.parametrize("seen_after, chief_after, status, line", [
+    # The launcher looks 0, 20 or 35 ms after worker:1's end, before the chief's kill at 40 ms.
+    (0.0, 0.04, 137, "chief worker:0 (pid 100) ended with signal 9 (SIGKILL); stopping the other tasks"),
+    (0.02, 0.04, 137, "chief worker:0 (pid 100) ended with signal 9 (SIGKILL); stopping the other tasks"),
+    (0.035, 0.04, 137, "chief worker:0 (pid 100) ended with signal 9 (SIGKILL); stopping the other tasks"),
+    # A kill 120 ms after the first failure, outside the window, is not the root cause.
+    (0.0, 0.12, 1, "worker:1 (pid 101) died with exit status 1; stopping the other tasks"),
+])
+def test_the_root_cause_does_not_depend_on_when_the_launcher_looks(seen_after, chief_after, status, line):
+    err = io.StringIO()
+    launcher = launch.Launcher(["unused"], workers=2, stdout=io.BytesIO(), stderr=err)
+    chief, worker = launcher.tasks = [_FakeTask("worker:0", 100), _FakeTask("worker:1", 101)]
+    failed = time.monotonic() - seen_after
+    worker.end(1, failed)
+    killer = threading.Timer(chief_after - seen_after, chief.end, args=(-9, failed + chief_after))
+    killer.start()
+    try:
+        assert launcher.supervise() == status
+    finally:
+        killer.cancel()
+    assert err.getvalue() == "gradaccum.launch: %s\n" % line
+    assert launcher.died == ((chief, -9) if status == 137 else (worker, 1))
+
+
 @pytest.mark.parametrize("failures, first", [
     ([("worker:1", 1, 10.034), ("worker:0", -9, 10.0), ("worker:2", 1, 10.041)], ["worker:0", "worker:1", "worker:2"]),
     ([("worker:2", 1, 10.041), ("worker:1", 1, 10.0), ("worker:0", -9, 10.03)], ["worker:0", "worker:1", "worker:2"]),
@@ -514,17 +628,40 @@ def test_tasks_that_ended_in_one_poll_are_ordered_by_their_end_and_a_signalled_o
     assert sorted(ordered) == sorted(failures)
 
 
-# What interrupted saves leave (as TF 1.15 to 2.21 name them), and what stays.
+# A checkpoint directory after interrupted saves (names as TF 1.15 to 2.21 write
+# them): each file, and the prefix whose clean-up removes it ("any": every
+# prefix's, the `checkpoint` state file's temporary; None: no clean-up does).
 _HEX = "fe0e5cb880384518919dbdd6cdb3e267"
-_DEBRIS = ["model.ckpt-4.data-00000-of-00001.tempstate4878854028441751831", "model.ckpt-4.index.tempstate12",
-           "checkpoint.tmp" + _HEX, "model.ckpt-4.meta.tmp" + _HEX,
-           "model.ckpt-5_temp/part-00000-of-00002.index", "model.ckpt-5_temp/part-00001-of-00002.data-00000-of-00001"
-           ".tempstate1042768425798761765", "model.ckpt-6_temp_%s/part-00000-of-00001.data-00000-of-00001" % _HEX,
-           "shard-0-of-2/model.ckpt-4.index.tempstate99"]
-_KEPT = ["checkpoint", "model.ckpt-3.data-00000-of-00001", "model.ckpt-3.index", "model.ckpt-3.meta",
-         "events.out.tfevents.1.host", "notes.tmp", "model.ckpt-3.index.bak", "tempstate", "data.tmp" + _HEX,
-         "eval_temp/part-00000-of-00001.index", "eval_temp/results.txt", "shard-0-of-2/checkpoint",
-         "shard-0-of-2/model.ckpt-3.index"]
+_SAVE_FILES = {
+    "model.ckpt-4.data-00000-of-00001.tempstate4878854028441751831": "model.ckpt",
+    "model.ckpt-4.index.tempstate12": "model.ckpt",
+    "model.ckpt.index.tempstate77": "model.ckpt",  # saved without global_step
+    "model.ckpt-4.meta.tmp" + _HEX: "model.ckpt",
+    "checkpoint.tmp" + _HEX: "any",
+    "model.ckpt-5_temp/part-00000-of-00002.index": "model.ckpt",  # a sharded save, TF 2.x
+    "model.ckpt-5_temp/part-00001-of-00002.data-00000-of-00001.tempstate1042768425798761765": "model.ckpt",
+    "model.ckpt-6_temp_%s/part-00000-of-00001.data-00000-of-00001" % _HEX: "model.ckpt",  # TF 1.15
+    "shard-0-of-2/model.ckpt-4.index.tempstate99": "model.ckpt",  # a ShardedAllReduce worker's save
+    "shard-0-of-2/checkpoint.tmp" + _HEX: "any",
+    "eval.ckpt-4.index.tempstate7": "eval.ckpt",  # another prefix's save, in the same directory
+    "eval.ckpt-4.meta.tmp" + _HEX: "eval.ckpt",
+    "eval.ckpt-8_temp/part-00000-of-00001.index": "eval.ckpt",
+    "shard-0-of-2/eval.ckpt-4.index.tempstate5": "eval.ckpt",
+    # What no clean-up removes: complete checkpoints, other files, look-alikes.
+    "checkpoint": None, "model.ckpt-3.data-00000-of-00001": None, "model.ckpt-3.index": None,
+    "model.ckpt-3.meta": None, "events.out.tfevents.1.host": None, "shard-0-of-2/checkpoint": None,
+    "shard-0-of-2/model.ckpt-3.index": None,
+    "notes.tempstate123": None, "notes.tmp": None, "tempstate": None, "data.tmp" + _HEX: None,
+    "results_temp/part-00000-of-00002.index": None, "eval_temp/results.txt": None,
+    "other_job/model.ckpt-9.index.tempstate99": None, "other_job/checkpoint.tmp" + _HEX: None,
+    "other_job/model.ckpt-9_temp/part-00000-of-00002.index": None,
+    "model.ckpt2-4.index.tempstate7": None, "model.ckpt.best-4.data-00000-of-00001.tempstate7": None,
+    "modelXckpt-4.index.tempstate7": None, "model.ckpt-4.index.tempstate": None,
+    "model.ckpt-4.index.tempstate12.bak": None, "model.ckpt-x.index.tempstate12": None,
+    "model.ckpt-3.index.bak": None, "model.ckpt-4.index.tmp" + _HEX: None, "checkpoint.tmp" + _HEX[:31]: None,
+    "model.ckpt-7_temp/part-00000-of-00002.index": None, "model.ckpt-7_temp/notes.txt": None,
+    "shard-x-of-2/model.ckpt-4.index.tempstate5": None, "shard-0-of-2/nested/model.ckpt-4.index.tempstate5": None,
+}
 
 
 def _make_files(root, names):
@@ -540,40 +677,113 @@ def _listing(root):
                   for folder, _, files in os.walk(str(root)) for name in files)
 
 
-def test_the_temporaries_of_interrupted_saves_are_removed_and_nothing_else(tmp_path):
-    _make_files(tmp_path, _DEBRIS + _KEPT)
-    removed = launch.remove_save_temporaries(str(tmp_path))
-    assert _listing(tmp_path) == sorted(_KEPT)
-    assert sorted(os.path.relpath(path, str(tmp_path)) for path in removed) == sorted(
-        _DEBRIS + ["model.ckpt-5_temp", "model.ckpt-6_temp_" + _HEX])
-    assert launch.remove_save_temporaries(str(tmp_path / "missing")) == []
+def _removed_by(prefix):
+    """The relative paths the clean-up for ``prefix`` removes: files, then the sharded saves' directories."""
+    files = sorted(name for name, owner in _SAVE_FILES.items() if owner in (prefix, "any"))
+    return files + sorted(set(os.path.dirname(name) for name in files if "_temp" in os.path.dirname(name)))
 
 
-def test_a_restart_removes_the_temporaries_of_saves_the_failure_interrupted(tmp_path):
+@pytest.mark.parametrize("prefix", ["model.ckpt", "eval.ckpt"])
+def test_only_the_temporaries_of_the_jobs_own_prefix_are_removed_nothing_in_other_directories(tmp_path, prefix):
+    _make_files(tmp_path, _SAVE_FILES)
+    removed = launch.remove_save_temporaries(str(tmp_path), prefix)
+    assert _listing(tmp_path) == sorted(set(_SAVE_FILES) - set(_removed_by(prefix)))
+    assert sorted(os.path.relpath(path, str(tmp_path)) for path in removed) == sorted(_removed_by(prefix))
+    assert os.path.isdir(str(tmp_path / "results_temp")) and os.path.isdir(str(tmp_path / "other_job"))
+    assert launch.remove_save_temporaries(str(tmp_path / "missing"), prefix) == []
+
+
+@pytest.mark.parametrize("prefix, error, match", [
+    ("", ValueError, r"`prefix` must be a file name without a directory, such as 'model.ckpt', got ''"),
+    ("other_job/model.ckpt", ValueError, r"`prefix` must be a file name without a directory, .*'other_job/model"),
+    ("..", ValueError, r"`prefix` must be a file name without a directory, .*got '\.\.'"),
+    (None, TypeError, r"`prefix` must be a str \(a file name such as 'model.ckpt'\), got None"),
+])
+def test_a_prefix_that_is_not_a_file_name_is_refused(tmp_path, prefix, error, match):
+    _make_files(tmp_path, ["other_job/model.ckpt-9.index.tempstate99"])
+    with pytest.raises(error, match=match):
+        launch.remove_save_temporaries(str(tmp_path), prefix)
+    with pytest.raises(error, match=match):  # At once, not after the job's first failure.
+        launch.Launcher(["unused"], workers=1, checkpoint_dir=str(tmp_path), checkpoint_prefix=prefix)
+    assert _listing(tmp_path) == ["other_job/model.ckpt-9.index.tempstate99"]
+
+
+def test_a_symbolic_link_to_a_shard_directory_is_not_followed(tmp_path):
+    _make_files(tmp_path, ["elsewhere/model.ckpt-4.index.tempstate5"])
+    (tmp_path / "ckpt").mkdir()
+    os.symlink(str(tmp_path / "elsewhere"), str(tmp_path / "ckpt" / "shard-0-of-1"))
+    assert launch.remove_save_temporaries(str(tmp_path / "ckpt")) == []
+    assert _listing(tmp_path / "elsewhere") == ["model.ckpt-4.index.tempstate5"]
+
+
+def test_the_line_names_each_file_removed_and_a_sharded_save_once():
+    removed = ["/c/model.ckpt-4.index.tempstate12", "/c/model.ckpt-5_temp/part-00000-of-00002.index",
+               "/c/model.ckpt-5_temp/part-00001-of-00002.index", "/c/model.ckpt-5_temp",
+               "/c/shard-0-of-2/checkpoint.tmp" + _HEX]
+    assert checkpoint_files.describe_removed("/c", sorted(removed)) == (
+        "removed 4 temporary files of interrupted saves from /c: model.ckpt-4.index.tempstate12, "
+        "model.ckpt-5_temp/ (2 part files), shard-0-of-2/checkpoint.tmp" + _HEX)
+    assert checkpoint_files.describe_removed("/c", removed[:1]) == (
+        "removed 1 temporary file of interrupted saves from /c: model.ckpt-4.index.tempstate12")
+    assert checkpoint_files.describe_removed("/c", []) is None
+
+
+def test_other_prefixes_are_those_the_state_files_name(tmp_path):
+    _make_files(tmp_path, ["shard-0-of-1/x"])
+    (tmp_path / "checkpoint").write_text('model_checkpoint_path: "/c/model.ckpt-3"\n'
+                                         'all_model_checkpoint_paths: "/c/model.ckpt-3"\n')
+    (tmp_path / "shard-0-of-1" / "checkpoint").write_text('model_checkpoint_path: "ckpt-7"\n')
+    assert checkpoint_files.other_prefixes(str(tmp_path), "model.ckpt") == ["ckpt"]
+    assert checkpoint_files.other_prefixes(str(tmp_path), "ckpt") == ["model.ckpt"]
+
+
+@pytest.mark.parametrize("prefix", [None, "eval.ckpt"])
+def test_a_restart_removes_the_temporaries_of_the_jobs_interrupted_saves_and_says_so(tmp_path, prefix):
     ckpt = tmp_path / "ckpt"
-    _make_files(ckpt, _DEBRIS + _KEPT)
+    _make_files(ckpt, _SAVE_FILES)
     (ckpt / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-3"\n')
     args = ["--workers", "1", "--max-restarts", "1", "--grace", "1", "--checkpoint-dir", str(ckpt)]
-    status, _, err = _run(args, "last_worker_dies_once", tmp_path)
+    status, _, err = _run(args + (["--checkpoint-prefix", prefix] if prefix else []), "last_worker_dies_once",
+                          tmp_path)
     assert status == 0, err
     assert "restart 1 of 1: worker:0 died with signal 9 (SIGKILL); restarting 1 worker from global step 3" in err
-    assert _listing(ckpt) == sorted(_KEPT)
+    gone = _removed_by(prefix or "model.ckpt")
+    assert _listing(ckpt) == sorted(set(_SAVE_FILES) - set(gone))
+    said = [line for line in err.splitlines() if "temporary file" in line or "names" in line]
+    expected = ["gradaccum.launch: " + checkpoint_files.describe_removed(
+        str(ckpt), sorted(os.path.join(str(ckpt), name) for name in gone))]
+    if prefix:  # The job's state file names model.ckpt: its temporaries stay, and the launcher says why.
+        expected.append("gradaccum.launch: the checkpoint state in %s names model.ckpt, not --checkpoint-prefix "
+                        "eval.ckpt: the temporary files of those saves are not deleted" % ckpt)
+    assert said == expected
 
 
-# The chief saves with TensorFlow and is SIGKILLed inside saver.save, while the
+# The chief saves with TensorFlow and is SIGKILLed inside saver.save, while its
 # save's temporary files exist; restarted, it lists the checkpoint directory.
 _SAVE_TASK = textwrap.dedent("""
     import os, signal, sys, threading, time
-    ckpt = sys.argv[1]
+    ckpt, sharded = sys.argv[1], sys.argv[2] == "sharded"
     marker = os.path.join(os.path.dirname(ckpt), "killed")
     if os.path.exists(marker):
-        print("restarted with", " ".join(sorted(os.listdir(ckpt))))
+        listed = [os.path.relpath(os.path.join(folder, name), ckpt)
+                  for folder, dirs, files in os.walk(ckpt) for name in dirs + files]
+        print("restarted with", " ".join(sorted(listed)))
         sys.exit(0)
     import tensorflow as tf
 
+    def ours():
+        names = [name for name in os.listdir(ckpt) if name.startswith("model.ckpt-")]
+        for name in list(names):  # A sharded save's directory, model.ckpt-<step>_temp*/.
+            if os.path.isdir(os.path.join(ckpt, name)):
+                names += [name + "/" + part for part in os.listdir(os.path.join(ckpt, name))]
+        return names
+
     def kill_inside_the_save():
         while True:
-            names = [name for name in os.listdir(ckpt) if ".tempstate" in name]
+            try:
+                names = [name for name in ours() if ".tempstate" in name]
+            except OSError:  # A directory went while it was listed.
+                continue
             if names:
                 print("killed while", " ".join(names), "existed", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -581,7 +791,7 @@ _SAVE_TASK = textwrap.dedent("""
 
     with tf.Graph().as_default():
         tf.compat.v1.get_variable("weights", initializer=tf.zeros([4000000]))
-        saver = tf.compat.v1.train.Saver()
+        saver = tf.compat.v1.train.Saver(sharded=sharded)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             saver.save(sess, os.path.join(ckpt, "model.ckpt"), global_step=1)
@@ -591,22 +801,33 @@ _SAVE_TASK = textwrap.dedent("""
                 saver.save(sess, os.path.join(ckpt, "model.ckpt"), global_step=step)
     print("never killed")
 """)
+# What the job did not write: it stays, beside the job's own interrupted save.
+_NOT_THE_JOBS = ["notes.tempstate123", "results_temp/part-00000-of-00002.index",
+                 "other_job/model.ckpt-9.index.tempstate99", "eval.ckpt-4.index.tempstate7",
+                 "model.ckpt2-4.index.tempstate7"]
 
 
 @pytest.mark.distributed
-def test_a_chief_killed_inside_saver_save_restarts_with_no_temporary_files_left(tmp_path):
+@pytest.mark.parametrize("save", ["plain", "sharded"])
+def test_a_chief_killed_inside_saver_save_restarts_with_its_temporaries_removed_and_no_other_file(tmp_path, save):
     ckpt, script = tmp_path / "ckpt", tmp_path / "save_task.py"
-    ckpt.mkdir()
+    _make_files(ckpt, _NOT_THE_JOBS)
     script.write_text(_SAVE_TASK)
     out, err = io.BytesIO(), io.StringIO()
     status = launch.main(["--workers", "1", "--max-restarts", "1", "--checkpoint-dir", str(ckpt), "--",
-                          sys.executable, str(script), str(ckpt)], stdout=out, stderr=err)
+                          sys.executable, str(script), str(ckpt), save], stdout=out, stderr=err)
     out, err = out.getvalue().decode(), err.getvalue()
     assert status == 0, out[-2000:] + err
     assert "restart 1 of 1: worker:0 died with signal 9 (SIGKILL); restarting 1 worker from global step 1" in err
     interrupted = re.search(r"^\[worker:0\] killed while (.*) existed$", out, re.M).group(1).split()
     listed = re.search(r"^\[worker:0\] restarted with (.*)$", out, re.M).group(1).split()
     assert interrupted and not set(interrupted) & set(listed)
-    assert not [name for name in listed if ".tempstate" in name or ".tmp" in name], listed
+    assert not [name for name in listed if name.startswith("model.ckpt-") and (".tempstate" in name or "_temp" in name
+                                                                             or ".tmp" in name)], listed
     assert {"checkpoint", "model.ckpt-1.index", "model.ckpt-1.data-00000-of-00001"} <= set(listed)
+    assert set(_NOT_THE_JOBS) <= set(listed)
+    removed = [line for line in err.splitlines() if "temporary file" in line]
+    assert len(removed) == 1, err
+    named = re.search(r"of interrupted saves from %s: (.*)$" % re.escape(str(ckpt)), removed[0]).group(1)
+    assert all(name.split("/")[0] in named for name in interrupted), (named, interrupted)
     _assert_all_gone(_started_pids(err))

@@ -1,6 +1,6 @@
 """One-machine launcher for a multi-process TensorFlow job.
 
-Usage::
+Usage (``gradaccum-launch`` is the same command)::
 
     python -m gradaccum.launch --workers P [--ps N] [--verbose] -- python script.py args
 
@@ -11,29 +11,44 @@ collective engine needs no ps task (``--ps 0``, the default). TensorFlow's
 log noise (C++ log lines, the absl notice, ``WARNING:tensorflow`` deprecation
 blocks, ``tf.compat.v1.layers`` deprecation warnings) is left out of that
 output unless ``--verbose`` (which also leaves ``TF_CPP_MIN_LOG_LEVEL``
-alone; otherwise the tasks get ``2`` unless it is set). It exits with the
-chief's exit status. When a task dies with a non-zero status it names, in one
-line, the task that failed first and its status (the others' collectives
-fail some milliseconds after a task dies: those echoes are not named), and
-stops the others (SIGTERM, then SIGKILL after ``--grace`` seconds); it then
-exits with the chief's status when the chief failed first (128 + N for a
-signal N, as a shell reports it: 137 for SIGKILL), else 1. Each task is
-reaped by a thread as it exits, so the order of the ends is known to the
-millisecond; a task killed by a signal counts as first when it ended within
-one poll (0.1 s) of the first. With ``--max-restarts N`` the launcher then
-restarts the whole job instead, on fresh ports, up to N times: with the same
-number of workers, or with ``--min-workers M`` one worker fewer each time a
-task dies, never below M. The tasks resume from their last checkpoint (see
-``gradaccum.membership``); one line per restart names the task that failed first,
-its status, the number of workers now and, with ``--checkpoint-dir``, the
-global step of the newest checkpoint there. After a failure, with
-``--checkpoint-dir``, it removes the temporary files of saves the failure
-interrupted there (see ``remove_save_temporaries``), and nothing else.
-After N restarts it gives up with the status above. Each task runs in its own process
-group, which is killed on every way out (normal exit, signal, exception, and
-via ``atexit``), and the launcher returns only once every process of those
-groups has ended (a task's own children included); on Linux a task also gets
-SIGKILL when the launcher itself is killed. Every wait is bounded.
+alone; otherwise the tasks get ``2`` unless it is set).
+
+Exit status: the chief's, when the job ends without a failure. When a task
+ends with a non-zero status, the launcher names in one line the task that
+failed first, the root cause, and its status (the others' collectives fail
+some milliseconds after a task dies: those echoes are not named), stops the
+others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with the
+root cause's status, whichever task it is (128 + N for a signal N, as a
+shell reports it: 137 for SIGKILL). The root cause is the task that ended
+first, except that a task killed by a signal counts as first when it ended
+within 0.1 s of the first failure (a signal comes from outside the job,
+never as an echo). Each task is reaped by a thread that records when it
+ended, and once the launcher sees a failure it waits until 0.1 s (and a
+little more, for those threads) after it before deciding, from the recorded
+times only: the answer does not depend on when the launcher looked.
+
+With ``--max-restarts N`` the launcher then restarts the whole job instead,
+on fresh ports, up to N times: with the same number of workers, or with
+``--min-workers M`` one worker fewer each time a task dies, never below M.
+The tasks resume from their last checkpoint (see ``gradaccum.membership``);
+one line per restart names the root cause, its status, the number of
+workers now and, with ``--checkpoint-dir``, the global step of the newest
+checkpoint there. After N restarts it gives up with the status above.
+
+After a failure, with ``--checkpoint-dir DIR``, the launcher deletes the
+temporary files that the job's saves interrupted by the failure left in DIR
+and in its ``shard-<r>-of-<P>/`` directories: only TensorFlow's temporary
+names for the job's checkpoint prefix (``--checkpoint-prefix``,
+``model.ckpt`` by default), nothing in any other directory (see
+:mod:`gradaccum.distributed.checkpoint_files`), and says in one line what
+it deleted. When the job's ``checkpoint`` state file names another prefix,
+it says so in one line instead of guessing.
+
+Each task runs in its own process group, which is killed on every way out
+(normal exit, signal, exception, and via ``atexit``), and the launcher
+returns only once every process of those groups has ended (a task's own
+children included); on Linux a task also gets SIGKILL when the launcher
+itself is killed. Every wait is bounded.
 
 TensorFlow's gRPC server listens on every interface of the machine
 (``0.0.0.0``), whatever host ``TF_CONFIG`` names, and has no option to
@@ -57,12 +72,17 @@ import threading
 import time
 
 from gradaccum.distributed import tfconfig
-from gradaccum.distributed.layout import SHARD_PATTERN
+from gradaccum.distributed.checkpoint_files import describe_removed, newest_checkpoint_step, other_prefixes
+from gradaccum.distributed.checkpoint_files import check_prefix, remove_save_temporaries
 
 _PREFIX = "gradaccum.launch: "
 _USAGE = "python -m gradaccum.launch --workers P [--ps N] [--host H] [--grace S] [--shutdown-timeout S] " \
-         "[--max-restarts N [--min-workers M] [--checkpoint-dir DIR]] [--verbose] [--no-port-warning] " \
-         "-- COMMAND [ARG ...]"
+         "[--max-restarts N [--min-workers M] [--checkpoint-dir DIR [--checkpoint-prefix NAME]]] [--verbose] " \
+         "[--no-port-warning] -- COMMAND [ARG ...]"
+_EPILOG = ("Exit status: the chief's when the job ends without a failure; when a task fails, that of the task "
+           "that failed first (128 + N for a signal N; a task killed by a signal within 0.1 s of the first "
+           "failure counts as first). With --max-restarts and --checkpoint-dir, the launcher deletes files: see "
+           "--checkpoint-dir.")
 _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8  # Linux's interface flags, as /sys/class/net/<name>/flags shows them.
 # TensorFlow's log noise: C++ log lines (absl and TF 1.15 formats; fatal ones are
 # kept), the absl notice, Python-side TF and absl warnings, deprecation warnings.
@@ -74,15 +94,11 @@ _NOISE = re.compile(
     rb"|WARNING:(?:tensorflow|absl):"
     rb"|\S+\.py:\d+: (?:User|Deprecation|Future)Warning: .*deprecat)", re.IGNORECASE)
 _POLL_SECONDS = 0.1
-# Temporary files of a TensorFlow save, renamed when the save completes and left
-# behind when it is killed: the bundle writer's data and index files
-# (`model.ckpt-3.index.tempstate8231...`, TF 1.15 to 2.x), and the atomic writes
-# of the `checkpoint` state file and of the meta graph (`checkpoint.tmp<32 hex>`).
-_SAVE_TEMPORARY = re.compile(r"\.tempstate\d+$|^(?:checkpoint|.+\.meta)\.tmp[0-9a-f]{32}$")
-# A sharded save (Saver(sharded=True), as MonitoredTrainingSession's) writes its
-# parts into `<prefix>_temp/` (TF 2.x; `<prefix>_temp_<32 hex>/` in TF 1.15).
-_SHARDED_TEMP_DIR = re.compile(r".+_temp(?:_[0-9a-f]{32})?$")
-_SHARDED_PART = re.compile(r"part-\d+-of-\d+\.(?:index|data-\d+-of-\d+)(?:\.tempstate\d+)?$")
+# A task killed by a signal up to this long after the first failure is the root cause.
+_BLAME_WINDOW_SECONDS = 0.1
+# How long past the window the launcher still waits before deciding: a reaping thread
+# records a task's end a little after it (a busy machine delays threads).
+_SETTLE_SECONDS = 0.05
 _PR_SET_PDEATHSIG = 1
 
 
@@ -150,96 +166,6 @@ def build_cluster(workers, ps, host, ports):
     if ps:
         cluster["ps"] = addresses[workers:]
     return cluster
-
-
-def _state_steps(directory):
-    """The global steps a ``checkpoint`` state file of ``directory`` lists (read as text: no TensorFlow)."""
-    try:
-        with open(os.path.join(directory, "checkpoint")) as handle:
-            text = handle.read()
-    except OSError:
-        return set()
-    return set(int(step) for step in re.findall(r'model_checkpoint_paths?: ".*-(\d+)"', text))
-
-
-def newest_checkpoint_step(checkpoint_dir):
-    """The global step of the newest checkpoint under ``checkpoint_dir``, or None.
-
-    An ordinary checkpoint counts, and so does a step that every shard
-    ``shard-<r>-of-<P>/`` of one P holds (``gradaccum.ShardedAllReduce``'s
-    layout). Read from the ``checkpoint`` state files, without TensorFlow.
-
-    Args:
-      checkpoint_dir: the job's checkpoint directory.
-
-    Returns:
-      An int, or None when there is no checkpoint.
-
-    Example:
-      >>> newest_checkpoint_step("/ckpt")
-      6
-    """
-    candidates = set(_state_steps(checkpoint_dir))
-    counts = {}
-    for name in os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []:
-        match = SHARD_PATTERN.match(name)
-        if match:
-            counts.setdefault(int(match.group(2)), []).append(_state_steps(os.path.join(checkpoint_dir, name)))
-    for count, held in counts.items():
-        if len(held) == count:
-            candidates.update(set.intersection(*held))
-    return max(candidates) if candidates else None
-
-
-def _sharded_temp_dir(path):
-    """True when ``path`` is a directory that holds only the parts of a sharded save."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    return bool(names) and all(_SHARDED_PART.match(name) and os.path.isfile(os.path.join(path, name))
-                               for name in names)
-
-
-def remove_save_temporaries(checkpoint_dir):
-    """Removes the temporary files that interrupted TensorFlow saves left.
-
-    Only a save's temporaries go, in ``checkpoint_dir`` and its subdirectories
-    (shards): ``*.tempstate<digits>``, ``checkpoint.tmp<32 hex>``,
-    ``*.meta.tmp<32 hex>``, and ``<prefix>_temp/`` directories that hold
-    nothing but parts of a sharded save. Call it only when no task runs: a
-    save in progress owns such files. A file that cannot be removed stays.
-
-    Args:
-      checkpoint_dir: the job's checkpoint directory (it need not exist).
-
-    Returns:
-      The sorted paths removed.
-
-    Example:
-      >>> remove_save_temporaries("/ckpt")
-      ['/ckpt/model.ckpt-9.data-00000-of-00001.tempstate4878854028441751831']
-    """
-    removed = []
-    for folder, dirs, files in os.walk(checkpoint_dir):
-        temp_dirs = [name for name in dirs
-                     if _SHARDED_TEMP_DIR.match(name) and _sharded_temp_dir(os.path.join(folder, name))]
-        dirs[:] = [name for name in dirs if name not in temp_dirs]  # Removed whole below, not walked into.
-        paths = [os.path.join(folder, name) for name in files if _SAVE_TEMPORARY.search(name)]
-        for name in temp_dirs:
-            paths += [os.path.join(folder, name, part) for part in sorted(os.listdir(os.path.join(folder, name)))]
-            paths.append(os.path.join(folder, name))  # After its files.
-        removed += [path for path in paths if _removed(path)]
-    return sorted(removed)
-
-
-def _removed(path):
-    """Removes a file or an empty directory; False when it cannot (gone meanwhile, not ours): the job resumes anyway."""
-    try:
-        (os.rmdir if os.path.isdir(path) else os.remove)(path)
-    except OSError:
-        return False
-    return True
 
 
 def tf_config_for(cluster, job, index):
@@ -356,15 +282,17 @@ def shell_status(returncode):
     return 128 - returncode if returncode < 0 else min(returncode, 255)
 
 
-def root_cause_first(failures, window=_POLL_SECONDS):
+def root_cause_first(failures, window=_BLAME_WINDOW_SECONDS):
     """Orders failed tasks so that the one that failed first, the root cause, leads.
 
     The others usually failed because of it: when a task dies, the others'
     collectives fail some milliseconds later and they exit with an error. So
     the order is the order of their ends, except that a task killed by a
     signal goes first when it ended within ``window`` seconds of the first
-    (the times are taken by threads that wake up a little late, and a signal
-    comes from outside the job, never as an echo of a failed peer).
+    (a signal comes from outside the job, never as an echo of a failed peer,
+    and the times are taken by threads that wake up a little late). The
+    answer depends on the times only: the launcher calls it once the window
+    after the first failure has passed.
 
     Args:
       failures: ``(task, returncode, ended_at)`` tuples: any task object, its
@@ -575,7 +503,13 @@ class Launcher(object):
         the whole job restarts on fresh ports when a task dies.
       min_workers: None (restart with as many workers), or the fewest workers
         to restart with: each restart has one worker fewer, down to this.
-      checkpoint_dir: where the job saves, for the step a restart line names.
+      checkpoint_dir: where the job saves: a restart line names its newest
+        step, and after a failure the temporary files of the job's
+        interrupted saves there are deleted (see
+        :func:`gradaccum.distributed.checkpoint_files.remove_save_temporaries`).
+      checkpoint_prefix: the file name the job's ``Saver`` saves under in
+        ``checkpoint_dir`` (``model.ckpt`` for ``model.ckpt-<step>``): only
+        the temporary files of saves under it are deleted.
 
     Example:
       >>> status = Launcher(["python", "train.py"], workers=2, ps=0).run()
@@ -583,12 +517,15 @@ class Launcher(object):
 
     def __init__(self, command, workers, ps=0, host="127.0.0.1", grace_seconds=5.0,
                  shutdown_seconds=15.0, stdout=None, stderr=None, verbose=False, max_restarts=None,
-                 min_workers=None, checkpoint_dir=None):
+                 min_workers=None, checkpoint_dir=None, checkpoint_prefix="model.ckpt"):
         self.command = list(command)
         self.verbose = verbose
         self.ps, self.host = ps, host
         self.cluster = build_cluster(workers, ps, host, pick_free_ports(workers + ps, host))
         self.max_restarts, self.min_workers, self.checkpoint_dir = max_restarts, min_workers, checkpoint_dir
+        check_prefix(checkpoint_prefix)  # Refused now, not after the job's first failure.
+        self.checkpoint_prefix = checkpoint_prefix
+        self._named_other_prefixes = False
         self.restarts = 0
         self.died = None  # The (task, returncode) that ended the last attempt (the root cause), if a task died.
         self.grace_seconds = grace_seconds
@@ -645,10 +582,24 @@ class Launcher(object):
                 return 128 + self.received
             failures = self._failures()
             if failures:  # Before the chief's normal end: a task that failed meanwhile is a failure of the job.
-                return self._fail(failures)
+                return self._fail(self._settled_failures(failures))
             if chief.ended_at is not None:
                 return self._finish(chief)
             time.sleep(_POLL_SECONDS)
+
+    def _settled_failures(self, failures):
+        """All failures once the blame window after the first has passed, the root cause first.
+
+        A task killed by a signal up to the window after the first failure is
+        the root cause. Deciding as soon as the first failure is seen would
+        depend on where in its poll the launcher saw it; waiting the window,
+        then deciding from the recorded ends, does not.
+        """
+        first = min(ended_at for _, _, ended_at in failures)
+        delay = first + _BLAME_WINDOW_SECONDS + _SETTLE_SECONDS - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        return self._failures()
 
     def _fail(self, failures):
         """Names the root cause of ``failures`` in one line and stops the other tasks.
@@ -676,7 +627,7 @@ class Launcher(object):
         status = chief.process.returncode
         others = self.tasks[1:]
         if status != 0:  # The chief ended between _failures() and here.
-            return self._fail(self._failures())
+            return self._fail(self._settled_failures(self._failures()))
         if not _wait_until(lambda: all(task.ended() for task in others), self.shutdown_seconds):
             late = [t.name for t in others if not t.ended()]
             self.say("%s still running %g s after the chief finished; stopping them"
@@ -695,7 +646,7 @@ class Launcher(object):
                 if self.died is None or self.received is not None or self.max_restarts is None:
                     return status
                 if self.checkpoint_dir is not None:  # Every task has ended: no save is in progress.
-                    remove_save_temporaries(self.checkpoint_dir)
+                    self._remove_save_temporaries()
                 if self.restarts >= self.max_restarts:
                     self.say("giving up: %s died with %s after %d restart%s"
                              % (self.died[0].name, describe_status(self.died[1]), self.restarts,
@@ -705,6 +656,19 @@ class Launcher(object):
         finally:
             self._kill_all()
             atexit.unregister(self._kill_all)
+
+    def _remove_save_temporaries(self):
+        """Deletes what the job's interrupted saves left in its checkpoint directory; says what in one line."""
+        removed = remove_save_temporaries(self.checkpoint_dir, self.checkpoint_prefix)
+        line = describe_removed(self.checkpoint_dir, removed)
+        if line is not None:
+            self.say(line)
+        others = [] if self._named_other_prefixes else other_prefixes(self.checkpoint_dir, self.checkpoint_prefix)
+        if others:  # Said once: the job may save under a prefix the launcher was not told.
+            self._named_other_prefixes = True
+            self.say("the checkpoint state in %s names %s, not --checkpoint-prefix %s: the temporary files of "
+                     "those saves are not deleted" % (self.checkpoint_dir, ", ".join(others),
+                                                       self.checkpoint_prefix))
 
     def _restart(self):
         """Builds the next attempt's cluster (fresh ports, perhaps one worker fewer) and says so in one line."""
@@ -742,7 +706,7 @@ def parse_args(argv):
     Returns:
       An ``argparse.Namespace`` with ``workers``, ``ps``, ``host``, ``grace``, ``verbose``,
       ``shutdown_timeout``, ``no_port_warning``, ``max_restarts``, ``min_workers``,
-      ``checkpoint_dir`` and ``command`` (a non-empty list).
+      ``checkpoint_dir``, ``checkpoint_prefix`` and ``command`` (a non-empty list).
 
     Raises:
       SystemExit: with status 2 and one error line for bad arguments.
@@ -751,24 +715,31 @@ def parse_args(argv):
       >>> parse_args(["--workers", "2", "--", "python", "train.py"]).command
       ['python', 'train.py']
     """
-    parser = _OneLineParser(prog="python -m gradaccum.launch", usage=_USAGE,
+    parser = _OneLineParser(prog="python -m gradaccum.launch", usage=_USAGE, epilog=_EPILOG,
                             description="Run one TensorFlow job as several local processes.")
-    parser.add_argument("--workers", type=int, required=True, help="worker processes; worker:0 is the chief")
-    parser.add_argument("--ps", type=int, default=0, help="parameter-server processes (default 0)")
-    parser.add_argument("--host", default="127.0.0.1",
+    parser.add_argument("--workers", type=int, metavar="P", required=True,
+                        help="worker processes; worker:0 is the chief")
+    parser.add_argument("--ps", type=int, metavar="N", default=0, help="parameter-server processes (default 0)")
+    parser.add_argument("--host", default="127.0.0.1", metavar="H",
                         help="address the tasks reach each other at (TensorFlow listens on every interface)")
-    parser.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--grace", type=float, metavar="S", default=5.0, help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--verbose", action="store_true", help="keep TensorFlow's log noise in the output")
-    parser.add_argument("--shutdown-timeout", type=float, default=15.0,
+    parser.add_argument("--shutdown-timeout", type=float, metavar="S", default=15.0,
                         help="seconds the other tasks may run after the chief ended")
     parser.add_argument("--no-port-warning", action="store_true",
                         help="do not warn that the tasks' ports are open on every interface")
-    parser.add_argument("--max-restarts", type=int, default=None,
+    parser.add_argument("--max-restarts", type=int, metavar="N", default=None,
                         help="restart the whole job up to N times when a task dies (default: never)")
-    parser.add_argument("--min-workers", type=int, default=None,
+    parser.add_argument("--min-workers", type=int, metavar="M", default=None,
                         help="with --max-restarts: one worker fewer per restart, never below M")
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="with --max-restarts: the job's checkpoint directory, for the step restarts name")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="with --max-restarts: the job's checkpoint directory; a restart names its newest "
+                             "step, and after a failure the launcher deletes there (and in its shard-<r>-of-<P>/ "
+                             "directories, nowhere else) TensorFlow's temporary files of the job's interrupted "
+                             "saves under --checkpoint-prefix, and says which in one line")
+    parser.add_argument("--checkpoint-prefix", default=None, metavar="NAME",
+                        help="with --checkpoint-dir: the file name the job saves under there, without -<step> "
+                             "(default model.ckpt); other prefixes' files are never deleted")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command every task runs")
     args = parser.parse_args(argv)
     _check_restarts(parser, args)
@@ -785,10 +756,19 @@ def parse_args(argv):
 
 
 def _check_restarts(parser, args):
-    """One usage line for restart flags that do not fit together."""
+    """One usage line for restart flags that do not fit together; sets the default checkpoint prefix."""
     if args.max_restarts is None:
         if args.min_workers is not None or args.checkpoint_dir is not None:
             parser.error("`--min-workers` and `--checkpoint-dir` need `--max-restarts`")
+    if args.checkpoint_prefix is not None and args.checkpoint_dir is None:
+        parser.error("`--checkpoint-prefix` needs `--checkpoint-dir`")
+    args.checkpoint_prefix = "model.ckpt" if args.checkpoint_prefix is None else args.checkpoint_prefix
+    try:
+        check_prefix(args.checkpoint_prefix)
+    except ValueError:
+        parser.error("`--checkpoint-prefix` must be a file name without a directory, such as model.ckpt, got %r"
+                     % args.checkpoint_prefix)
+    if args.max_restarts is None:
         return
     if args.max_restarts < 0:
         parser.error("`--max-restarts` must be >= 0, got %d" % args.max_restarts)
@@ -809,7 +789,7 @@ def _install_handlers(launcher):
 
 
 def main(argv=None, stdout=None, stderr=None):
-    """Runs the launcher; returns its exit status (the chief's, or non-zero on failure).
+    """Runs the launcher; returns its exit status (the chief's, or the root cause's when a task fails).
 
     Args:
       argv: command-line arguments, ``sys.argv[1:]`` by default.
@@ -826,7 +806,8 @@ def main(argv=None, stdout=None, stderr=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     launcher = Launcher(args.command, args.workers, args.ps, args.host, args.grace, args.shutdown_timeout,
                         stdout=stdout, stderr=stderr, verbose=args.verbose, max_restarts=args.max_restarts,
-                        min_workers=args.min_workers, checkpoint_dir=args.checkpoint_dir)
+                        min_workers=args.min_workers, checkpoint_dir=args.checkpoint_dir,
+                        checkpoint_prefix=args.checkpoint_prefix)
     warning = None if args.no_port_warning else port_warning(launcher.cluster, non_loopback_interfaces())
     if warning is not None:
         launcher.say(warning)
