@@ -86,13 +86,22 @@ def is_variable(value):
       value: anything.
 
     Returns:
-      True for a ``tf.Variable`` (ref or resource).
+      True for a ``tf.Variable`` (ref or resource), and for a strategy's
+      distributed variable (``MirroredVariable``, ``AggregatingVariable``),
+      which TF 1.15 does not derive from ``tf.Variable``.
 
     Example:
       >>> is_variable(tf.compat.v1.get_variable("w", [2]))
       True
     """
-    return isinstance(value, tf.Variable)
+    if isinstance(value, tf.Variable):
+        return True
+    from tensorflow.python.distribute import values as values_lib  # Not exported by tf.*.
+
+    # TF 1.15 keeps AggregatingVariable here too; TF 2.x derives both from tf.Variable.
+    kinds = tuple(getattr(values_lib, name) for name in ("DistributedVariable", "AggregatingVariable")
+                  if hasattr(values_lib, name))
+    return isinstance(value, kinds)
 
 
 def visible_gpus():
@@ -330,3 +339,219 @@ def loss_scale_optimizer_types():
     if contrib is not None and hasattr(contrib, "LossScaleOptimizer"):
         found.append(contrib.LossScaleOptimizer)
     return tuple(found)
+
+
+# ------------------------------------------------------------ tf.distribute (replica context)
+
+# The keyword arguments a variable creator receives that ResourceVariable's
+# constructor takes too (TF 1.15 to 2.x); the others (use_resource,
+# expected_shape, ...) only steer the creator stack, which is bypassed.
+_RESOURCE_VARIABLE_ARGS = ("initial_value", "trainable", "collections", "validate_shape", "caching_device",
+                           "name", "dtype", "constraint", "synchronization", "aggregation", "shape")
+
+
+def plain_resource_variable(**kwargs):
+    """A ``ResourceVariable`` made directly, past every variable creator in scope.
+
+    Under a ``tf.distribute`` strategy every ``tf.Variable`` goes through the
+    strategy's creator, which mirrors it (MirroredStrategy) or wraps it
+    (CentralStorageStrategy's ``AggregatingVariable``). A replica's own
+    window state must be neither: constructing the class itself skips the
+    creator stack (its metaclass only dispatches ``tf.Variable`` and
+    ``VariableV1`` calls through it), on TF 1.15 to 2.x.
+
+    Args:
+      **kwargs: what a variable creator receives; those ResourceVariable
+        does not take are dropped.
+
+    Returns:
+      The new resource variable, placed by the current device scope.
+
+    Example:
+      >>> with tf.compat.v1.variable_creator_scope(lambda _, **kw: plain_resource_variable(**kw)):
+      ...     count = tf.compat.v1.Variable(0, use_resource=True)
+    """
+    from tensorflow.python.ops import resource_variable_ops  # Not exported by tf.*.
+
+    import inspect
+    accepted = inspect.signature(resource_variable_ops.ResourceVariable.__init__).parameters
+    given = {key: value for key, value in kwargs.items()
+             if key in _RESOURCE_VARIABLE_ARGS and key in accepted and value is not None}
+    return resource_variable_ops.ResourceVariable(**given)
+
+
+def like_distributed(value, components):
+    """A distributed value of the same kind and devices as ``value``, holding ``components``.
+
+    Args:
+      value: a ``PerReplica`` or ``Mirrored`` value (one component per local
+        device), or a plain tensor (then ``components`` has one entry).
+      components: one tensor per component of ``value``, in its order.
+
+    Returns:
+      The ``PerReplica``/``Mirrored`` of ``components``, or ``components[0]``.
+
+    Example:
+      >>> halved = like_distributed(reduced, [t / 2 for t in strategy.experimental_local_results(reduced)])
+    """
+    if not hasattr(value, "values") or isinstance(value, (tf.Tensor, tf.IndexedSlices)):
+        return components[0]
+    from tensorflow.python.distribute import values as values_lib  # Not exported by tf.*.
+
+    wrap = values_lib.Mirrored if isinstance(value, values_lib.Mirrored) else values_lib.PerReplica
+    if TF_VERSION < (2, 0):  # TF 1.15's distributed values carry a device map.
+        return wrap(value.device_map, tuple(components))
+    return wrap(tuple(components))
+
+
+def distributed_apply(optimizer, distribution, grads_and_vars, global_step=None, name=None):
+    """A v1 optimizer's cross-replica apply: what its ``apply_gradients`` hands to ``merge_call``.
+
+    ``Optimizer._distributed_apply`` is private, with this signature from
+    TF 1.13 to 2.x. TF's own loss-scale optimizer's re-enters replica context
+    to call its inner optimizer's ``apply_gradients``, which would reduce the
+    (already reduced) update once more: for it, this does what it does (its
+    loss scale's public ``update``, then apply when finite) with the inner
+    optimizer's cross-replica apply instead.
+
+    Args:
+      optimizer: a ``tf.compat.v1.train.Optimizer``.
+      distribution: the strategy (or a stand-in with its ``extended`` API).
+      grads_and_vars: ``(gradient, variable)`` pairs, variables distributed.
+      global_step: ``None`` or the step variable.
+      name: ``None`` or the op's name.
+
+    Returns:
+      The apply op.
+
+    Raises:
+      TypeError: when ``optimizer`` has no cross-replica apply.
+
+    Example:
+      >>> op = distributed_apply(adam, strategy, reduced_pairs, global_step)
+    """
+    loss_scale, inner = getattr(optimizer, "_loss_scale", None), getattr(optimizer, "_optimizer", None)
+    if isinstance(optimizer, loss_scale_optimizer_types()) and loss_scale is not None and inner is not None:
+        grads_and_vars = list(grads_and_vars)
+        update_scale, finite = loss_scale.update([grad for grad, _ in grads_and_vars])
+        applied = tf.cond(finite, lambda: tf.group(distributed_apply(inner, distribution, grads_and_vars,
+                                                                     global_step, name)), tf.no_op)
+        return tf.group(applied, update_scale)
+    apply = getattr(optimizer, "_distributed_apply", None)
+    if apply is None:
+        raise TypeError("%s has no cross-replica apply (_distributed_apply), so it cannot apply under a "
+                        "tf.distribute strategy" % type(optimizer).__name__)
+    return apply(distribution, grads_and_vars, global_step, name)
+
+
+def gradient_function(op):
+    """The gradient function TensorFlow's ``gradients`` would call for ``op`` (None: not differentiable).
+
+    ``ops.get_gradient_function`` is not exported by ``tf.*``; it exists in TF
+    1.15 to 2.x and honours a gradient override and, on TF 2.x, the Python-side
+    ``_gradient_function`` of a ``tf.function`` call.
+
+    Args:
+      op: a graph ``tf.Operation``.
+
+    Returns:
+      A callable ``fn(op, *output_gradients)``, or None for an op registered
+      as not differentiable.
+
+    Raises:
+      LookupError: when no gradient is defined for the op's type.
+
+    Example:
+      >>> gradient_function(tf.nn.tanh(x).op) is not None
+      True
+    """
+    from tensorflow.python.framework import ops  # Not exported by tf.*.
+
+    return ops.get_gradient_function(op)
+
+
+def copy_gradient_state(original, copy):
+    """Gives ``copy`` the Python-side gradient state of ``original`` (a ``tf.function`` call's).
+
+    ``Graph.create_op`` copies a node's attributes, not what TensorFlow keeps
+    on the Python ``Operation``: TF 2.x's ``_gradient_function`` (a function
+    call's delayed-rewrite gradient, which rewrites the op it is given) and
+    TF 1.x's ``__defun``.
+
+    Args:
+      original: the ``tf.Operation`` copied.
+      copy: its copy, built with the same type and attributes.
+
+    Example:
+      >>> copy_gradient_state(call_op, copied_call_op)
+    """
+    function = getattr(original, "_gradient_function", None)
+    if function is not None:
+        copy._gradient_function = function
+    defun = getattr(original, "__defun", None)
+    if defun is not None:
+        setattr(copy, "__defun", defun)
+
+
+def function_definition(graph, name):
+    """The ``FunctionDef`` named ``name`` in ``graph``'s library (or an outer graph's), or None.
+
+    Args:
+      graph: a ``tf.Graph``.
+      name: the function's name (a ``func`` attribute's ``name``).
+
+    Returns:
+      A ``FunctionDef`` protocol buffer, or None when the graph has none of
+      that name.
+
+    Example:
+      >>> function_definition(graph, if_op.get_attr("then_branch").name).signature.name
+    """
+    while graph is not None:
+        function = graph._get_function(name)  # Private, in TF 1.15 to 2.x.
+        if function is not None:
+            return function.definition
+        graph = getattr(graph, "outer_graph", None)
+    return None
+
+
+def op_is_stateful(op_type):
+    """Tells whether the registered op type ``op_type`` is stateful (False when it is not registered).
+
+    Args:
+      op_type: an op type name, as a ``NodeDef``'s ``op``.
+
+    Returns:
+      A bool; None when no such op type is registered (a function's name).
+
+    Example:
+      >>> op_is_stateful("RandomUniform")
+      True
+    """
+    from tensorflow.python.framework import op_def_registry  # Its API changed after TF 1.15.
+
+    if hasattr(op_def_registry, "get"):
+        op_def = op_def_registry.get(op_type)
+    else:
+        op_def = op_def_registry.get_registered_ops().get(op_type)
+    return None if op_def is None else bool(op_def.is_stateful)
+
+
+def colocating(graph):
+    """Tells whether ops built now in ``graph`` are colocated with another op (``colocate_with``).
+
+    ``tf.gradients`` with ``colocate_gradients_with_ops=True`` (always so for
+    TF 2's ``tf.gradients``) builds each gradient function under
+    ``colocate_with`` its forward op.
+
+    Args:
+      graph: a ``tf.Graph``.
+
+    Returns:
+      True inside a ``colocate_with`` scope.
+
+    Example:
+      >>> colocating(tf.compat.v1.get_default_graph())
+      False
+    """
+    return any(True for _ in graph._colocation_stack.peek_objs())  # Private, in TF 1.15 to 2.x.

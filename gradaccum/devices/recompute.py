@@ -13,48 +13,36 @@ block's ops, built inside the gradient function. The copy's inputs wait for
 the incoming gradient (a control dependency), so it runs just before its
 gradients are needed, and Grappler cannot merge it with the forward ops.
 
-Exact: the copy runs the same kernels on the same values, and a stateful
-random op (dropout's ``RandomUniform``) is not copied: the copy reads the
-forward op's output, which is therefore kept until the backward pass (the
-memory of one such tensor per random op). Stateless random ops are copied.
+Exact: the copy runs the same kernels on the same values. What each op of
+the block becomes is decided by what it means for gradients
+(``recompute_walk``): stateless ops are copied; a stateful op that touches
+no variable (dropout's ``RandomUniform``, ``tf.random.gamma``, ``Print``,
+``check_numerics``) is not run again: the copy reads its forward output,
+which is therefore kept until the backward pass, and its gradient still
+reaches its inputs (``recompute_copy``). Ops the outputs only wait for
+(assertions, ``tf.print``) ran in the forward pass and are not copied.
 Update ops (batch norm's moving averages, ``gradaccum.batch_normalization``'s
 window statistics) are not ancestors of the outputs, so they are not copied
-and run once per forward pass.
+and run once per forward pass. An output whose gradient is only the zeros
+TensorFlow fills in for an output nothing differentiates counts as unused.
 
 The copies are built with ``Graph.create_op`` in the current control-flow
 context, so a block works inside ``tf.while_loop`` (``subdivisions.minimize``),
 under ``tf.compat.v1`` reference variables and resource variables alike.
 
-Variables and collections: creates none. The gradient function is
-registered once per process under the name ``"GradaccumRecompute"``.
+Variables and collections: creates none. The gradient functions are
+registered once per process under the names ``"GradaccumRecompute"`` and
+``"GradaccumRecomputeReused"``.
 """
-import contextlib
 import functools
 
+from gradaccum import _compat
 from gradaccum import _validate
-from gradaccum._compat import is_ref_tensor, tf
+from gradaccum._compat import tf
+from gradaccum.devices import recompute_copy
+from gradaccum.devices import recompute_walk
 
-GRADIENT_NAME = "GradaccumRecompute"
-# Stateful random ops: the copy reads the forward op's output (same values, kept until the backward pass).
-_RANDOM_OPS = frozenset([
-    "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt", "RandomShuffle",
-    "Multinomial", "RandomGamma", "RandomPoisson", "RandomPoissonV2", "ParameterizedTruncatedNormal",
-    "StatefulUniform", "StatefulUniformInt", "StatefulUniformFullInt", "StatefulStandardNormalV2",
-    "StatefulTruncatedNormal", "RngReadAndSkip", "RngSkip", "RandomCrop",
-])
-# Stateful ops that have done their work in the forward pass: not run again.
-_ONCE_OPS = frozenset(["Assert", "Print", "PrintV2"])
-# Read as they are, without waiting for the gradient: constants (gradient functions and Grappler fold them).
-_CONSTANT_OPS = frozenset(["Const", "HostConst"])
-# Tensors of these ops are read as they are: variables, their values, and what a loop or function captures.
-_BOUNDARY_OPS = frozenset([
-    "VariableV2", "Variable", "VarHandleOp", "ReadVariableOp", "Placeholder", "PlaceholderWithDefault",
-    "Enter", "RefEnter", "Switch", "RefSwitch", "ResourceGather", "ResourceGatherNd",
-])
-# v1 control flow cannot be copied op by op. (An Enter or Switch is what an enclosing loop or condition
-# captures a tensor through: part of the boundary; a block's own loop or condition ends in these.)
-_CONTROL_FLOW_OPS = frozenset(["Merge", "RefMerge", "Exit", "RefExit", "NextIteration",
-                               "RefNextIteration", "LoopCond"])
+GRADIENT_NAME = recompute_walk.GRADIENT_NAME
 _registered = []
 
 
@@ -62,11 +50,14 @@ def recompute(block):
     """Marks ``block`` for recomputation: only its inputs are kept, its forward pass runs again in backprop.
 
     ``recompute(block)(*args, **kwargs)`` builds ``block(*args, **kwargs)`` as
-    a plain call would (same ops, same variables, same values) and returns
-    its result; the gradients of everything before and inside the block are
-    those of the plain call, while the block's intermediate tensors are freed
-    after the forward pass and computed again, from the kept inputs, when
-    the gradient of the block's outputs arrives. Usable as a decorator.
+    a plain call would (same ops, same variables) and returns its result.
+    The gradients of the block's outputs with respect to everything before
+    the block (its inputs, the variables it reads) are those of the plain
+    call, while the block's intermediate tensors are freed after the forward
+    pass and computed again, from the kept inputs, when the gradient of the
+    block's outputs arrives. A tensor *inside* the block is not on the
+    gradient's path: its gradient is ``None``, and ``stop_gradients`` naming
+    it changes nothing. Usable as a decorator.
 
     Args:
       block: a callable that builds graph ops from tensors (for example a
@@ -79,11 +70,13 @@ def recompute(block):
     Raises:
       TypeError: when ``block`` is not callable.
       RuntimeError: when the returned callable is called under eager execution.
-      ValueError: when the returned callable's block returns no tensor, holds
-        a stateful op other than a random op, a variable read or an
-        assertion (an assignment, a queue, a collective), holds v1 control
-        flow (``tf.cond``/``tf.while_loop`` built with v1 control flow) or
-        another recomputed block; the message names the op.
+      ValueError: when the returned callable's block returns no tensor, or
+        holds an op that recomputing cannot handle: one that changes a
+        variable or another resource (an assignment, a queue, also one the
+        outputs only wait for), v1 control flow (``tf.cond`` or
+        ``tf.while_loop`` under TF 1.x behaviour), a function call or TF 2
+        control flow whose functions hold such an op or a random op, or
+        another recomputed block; the message names the op and the reason.
 
     Example:
       >>> for i in range(12):
@@ -124,13 +117,15 @@ def _block_name(block):
 
 
 def _register_gradient():
-    """Registers the recomputing gradient once per process (``tf.RegisterGradient`` refuses a second time)."""
+    """Registers the recomputing gradients once per process (``tf.RegisterGradient`` refuses a second time)."""
     if _registered:
         return
-    try:
-        tf.RegisterGradient(GRADIENT_NAME)(_gradient)
-    except KeyError:  # By an earlier import of this module (a reload): its function reads the same op attribute.
-        pass
+    for name, function in ((GRADIENT_NAME, _gradient), (recompute_copy.REUSED_GRADIENT_NAME,
+                                                          recompute_copy.reused_gradient)):
+        try:
+            tf.RegisterGradient(name)(function)
+        except KeyError:  # By an earlier import of this module (a reload): its function reads the same attribute.
+            pass
     _registered.append(GRADIENT_NAME)
 
 
@@ -145,128 +140,45 @@ def _gradient(op, *grads):
 
 
 class _Plan(object):
-    """One recomputed block: its ops to copy (in creation order), its boundary and its reused tensors."""
+    """One recomputed block: its walk (ops to copy, boundary, reused ops) and its routed outputs."""
 
     def __init__(self, block, created, inputs, outputs):
-        self.name = _block_name(block)
         self.outputs = outputs
-        self._order = {op: index for index, op in enumerate(created)}
-        self._inputs = set(tensor.name for tensor in inputs)
-        self.boundary, self.ops, self.reused = [], [], set()
-        self._walk()
-
-    def _is_boundary(self, tensor):
-        return (tensor.name in self._inputs or tensor.op not in self._order or is_ref_tensor(tensor)
-                or tensor.dtype.base_dtype == tf.resource or tensor.op.type in _BOUNDARY_OPS)
-
-    def _walk(self):
-        """Finds the ops between the boundary and the outputs; raises for what cannot be recomputed."""
-        seen_tensors, seen_ops, todo = set(), set(), []
-
-        def visit_tensor(tensor):
-            if tensor.name in seen_tensors:
-                return
-            seen_tensors.add(tensor.name)
-            if self._is_boundary(tensor):
-                self.boundary.append(tensor)
-            else:
-                todo.append(tensor.op)
-
-        for tensor in self.outputs:
-            visit_tensor(tensor)
-        while todo:
-            op = todo.pop()
-            if op in seen_ops:
-                continue
-            seen_ops.add(op)
-            if self._kept_as_is(op):
-                continue
-            self.ops.append(op)
-            for tensor in op.inputs:
-                visit_tensor(tensor)
-            todo.extend(control for control in op.control_inputs if control in self._order)
-        self.ops.sort(key=self._order.get)
-
-    def _kept_as_is(self, op):
-        """True for an op whose forward outputs the copy reads; raises for an op that cannot be copied."""
-        if op.type in _RANDOM_OPS or op.type in _ONCE_OPS or op.type in _CONSTANT_OPS:
-            self.reused.add(op)
-            return True
-        if op.type in _CONTROL_FLOW_OPS:
-            raise ValueError("gradaccum.recompute cannot recompute block %s: it holds v1 control flow (op %r of "
-                             "type %s, from tf.cond or tf.while_loop); move the loop or condition out of the block, "
-                             "or build it with control flow v2" % (self.name, op.name, op.type))
-        if _is_recompute_op(op):
-            raise ValueError("gradaccum.recompute cannot recompute block %s: it holds another recomputed block "
-                             "(op %r); mark either the outer block or the inner ones" % (self.name, op.name))
-        if op.op_def.is_stateful or any(arg.is_ref for arg in op.op_def.input_arg):  # Assign is not marked.
-            raise ValueError("gradaccum.recompute cannot recompute block %s: its op %r of type %s is stateful "
-                             "(recomputing it would run it twice); build it outside the block"
-                             % (self.name, op.name, op.type))
-        return False
+        self.walk = recompute_walk.Walk(_block_name(block), created, inputs, outputs)
 
     def route(self):
         """The outputs, through one ``IdentityN`` with the recomputing gradient (its inputs: outputs + boundary)."""
         graph = self.outputs[0].graph
-        self._routed = [t for t in self.boundary if _differentiable(t)]
+        self._routed = [t for t in self.walk.boundary if recompute_walk.differentiable(t)]
         with tf.compat.v1.name_scope("recompute"), graph.gradient_override_map({"IdentityN": GRADIENT_NAME}):
             routed = tf.identity_n(self.outputs + self._routed)
         routed[0].op._gradaccum_recompute = self
         return routed[:len(self.outputs)]
 
     def boundary_gradients(self, incoming):
-        """The gradients of the routed boundary tensors, from a copy of the block built after ``incoming``."""
-        wanted = [(out, grad) for out, grad in zip(self.outputs, incoming) if grad is not None]
+        """The gradients of the routed boundary tensors, from a copy of the block built after ``incoming``.
+
+        An incoming gradient that is TensorFlow's zeros for an output nothing
+        differentiates counts as none. The copy is built outside any
+        ``colocate_with`` (gradient colocation would pull it onto the
+        ``IdentityN``'s device): each copied op keeps its original's device,
+        and its gradients follow it when the caller colocates them.
+        """
+        wanted = [(out, grad) for out, grad in zip(self.outputs, incoming)
+                  if grad is not None and not recompute_copy.is_filled_zero(grad)]
         if not wanted:
             return [None] * len(self._routed)
+        graph = tf.compat.v1.get_default_graph()
+        colocate = _compat.colocating(graph)
         grad_ys = [tf.convert_to_tensor(grad) for _, grad in wanted]  # A sparse incoming gradient, densified.
-        with tf.compat.v1.name_scope("recompute"), tf.control_dependencies(grad_ys):
-            # Every copied op waits for the incoming gradient: nothing is recomputed before it is needed,
-            # and no copy equals a forward op for common-subexpression elimination.
-            mapping = {t.name: tf.identity(t) for t in self.boundary}
-            gated = [mapping[t.name] for t in self._routed]
-            _copy_ops(self.ops, mapping)
-        ys = [_mapped(out, mapping) for out, _ in wanted]
-        return list(tf.compat.v1.gradients(ys, gated, grad_ys=grad_ys))
-
-
-def _copy_ops(ops, mapping):
-    """Copies ``ops`` (in creation order) with inputs remapped through ``mapping``; fills ``mapping``.
-
-    An input that ``mapping`` lacks (a random op's, a constant's) is the forward tensor, read as it is.
-    """
-    graph = tf.compat.v1.get_default_graph()
-    copies = {}
-    for op in ops:
-        inputs = [_mapped(tensor, mapping) for tensor in op.inputs]
-        controls = [copies.get(control, control) for control in op.control_inputs]
-        attrs = {key: value for key, value in op.node_def.attr.items()}
-        with _on_device(op.device), tf.control_dependencies(controls):
-            copy = graph.create_op(op.type, inputs, [t.dtype for t in op.outputs], name=op.name.split("/")[-1],
-                                   attrs=attrs, op_def=op.op_def)
-        copies[op] = copy
-        for original, copied in zip(op.outputs, copy.outputs):
-            mapping[original.name] = copied
-    return copies
-
-
-def _on_device(device):
-    """The original op's device (an empty one: the enclosing scope's; ``tf.device(None)`` would clear it)."""
-    return tf.compat.v1.device(device) if device else contextlib.nullcontext()
-
-
-def _mapped(tensor, mapping):
-    """The copy's tensor for a forward tensor (a random op's or a constant's output is itself)."""
-    return mapping.get(tensor.name, tensor)
-
-
-def _differentiable(tensor):
-    dtype = tensor.dtype.base_dtype
-    return dtype.is_floating or dtype.is_complex or dtype == tf.resource
-
-
-def _is_recompute_op(op):
-    try:
-        return op.type == "IdentityN" and op.get_attr("_gradient_op_type") == GRADIENT_NAME.encode()
-    except ValueError:
-        return False
+        left_out = recompute_copy.left_out(self.walk, self._routed, [out for out, _ in wanted])
+        with tf.compat.v1.colocate_with(None, ignore_existing=True), tf.compat.v1.name_scope("recompute"):
+            with tf.control_dependencies(grad_ys):
+                # Every copied op waits for the incoming gradient: nothing is recomputed before it is needed,
+                # and no copy equals a forward op for common-subexpression elimination.
+                mapping = {t.name: tf.identity(t) for t in self.walk.boundary}
+                recompute_copy.copy_ops(self.walk, mapping)
+            xs = [mapping[t.name] for t in self._routed if t.name not in left_out]
+            ys = [mapping.get(out.name, out) for out, _ in wanted]
+            found = iter(tf.compat.v1.gradients(ys, xs, grad_ys=grad_ys, colocate_gradients_with_ops=colocate))
+        return [None if t.name in left_out else next(found) for t in self._routed]
