@@ -176,7 +176,10 @@ def summed_loop(model, source, first, state, dtypes, previous):
 def _rows_array(rows):
     """An empty growing ``TensorArray`` for blocks of ``rows``' kind (any number of rows)."""
     shape = tf.TensorShape([None]).concatenate(rows.shape[1:])
-    return tf.TensorArray(rows.dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=shape)
+    # On the tower's device: colocated with its first rows, an input pulled as it is (a tf.data
+    # iterator's ids returned among the outputs) would tie a later tower's array to the iterator's device.
+    return tf.TensorArray(rows.dtype, size=0, dynamic_size=True, infer_shape=False, element_shape=shape,
+                          colocate_with_first_write_call=False)
 
 
 def _after(value, waited, name=None):

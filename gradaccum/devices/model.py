@@ -14,6 +14,7 @@ import warnings
 
 from gradaccum import _validate
 from gradaccum._compat import tf
+from gradaccum.window.update_ops import user_stacklevel
 
 
 class ModelResult(collections.namedtuple("ModelResult", ["loss", "weight", "outputs"])):
@@ -68,7 +69,7 @@ def read_result(returned, pair_means, index, warn=True):
         if warn:
             warnings.warn("`model_fn` returned a pair, read as %s here; the two forms read a pair differently, so "
                           "return gradaccum.ModelResult(loss, %s=...) instead (a pair is deprecated)"
-                          % (_PAIR[pair_means], pair_means), FutureWarning, stacklevel=4)
+                          % (_PAIR[pair_means], pair_means), FutureWarning, stacklevel=user_stacklevel())
         returned = ModelResult(returned[0], **{pair_means: returned[1]})
     if not isinstance(returned, ModelResult):
         returned = ModelResult(returned)

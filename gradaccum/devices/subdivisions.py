@@ -69,7 +69,12 @@ class SubdividedTraining(collections.namedtuple("SubdividedTraining", ["train_op
       num_micro_batches: int64 scalar tensor, the k of the run (read once per run).
       outputs: ``None``, or the per-example outputs ``model_fn`` returned in
         its :class:`gradaccum.ModelResult`, every micro-batch's rows
-        concatenated in batch order (a callable input: in the order pulled).
+        concatenated in batch order. A callable input: tower after tower,
+        each tower's k micro-batches in the order that tower pulled them.
+        The towers' loops pull concurrently, so which micro-batches of the
+        source each tower gets is decided at run time (with one tower they
+        are in the source's order): put the labels or example ids among the
+        outputs to match rows with examples.
 
     Example:
       >>> result = subdivisions.minimize(opt, model_fn, [images, labels])

@@ -12,9 +12,13 @@ micro-step, ``applied`` once an applied window's update is done, ``reset``
 on skipped windows and in ``zero_op``). This module creates no variables; the collection is
 filled by the layers, not here.
 """
+import inspect
+import os
 import warnings
 
 from gradaccum._compat import tf
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # gradaccum/
 
 WINDOW_STATISTICS = "gradaccum_window_statistics"
 """Graph collection of window-statistics objects (window observers with an ``update_op``)."""
@@ -87,13 +91,39 @@ def chosen_update_ops(update_ops, caller, none_means):
                       "'all' (every UPDATE_OPS op the model built), which mean the same in minimize, "
                       "apply_gradients, tower.minimize and subdivisions.minimize"
                       % (caller, "every UPDATE_OPS op" if none_means == ALL else "no update ops"),
-                      FutureWarning, stacklevel=3)
+                      FutureWarning, stacklevel=user_stacklevel())
         return ALL if none_means == ALL else []
     if isinstance(update_ops, str) and update_ops in (FIRST, ALL):
         return update_ops
     if isinstance(update_ops, (list, tuple)):
         return list(update_ops)
     raise ValueError("`update_ops` must be 'first', 'all' or a list of ops ([]: none), got %r" % (update_ops,))
+
+
+def user_stacklevel():
+    """The ``stacklevel`` at which ``warnings.warn``, called by this function's caller, names the user's line.
+
+    That is the first frame outside the gradaccum package, however deep
+    inside gradaccum the warning is raised (``tower.minimize`` and
+    ``subdivisions.minimize`` check their arguments a few calls down).
+
+    Returns:
+      An int >= 2.
+
+    Example:
+      >>> warnings.warn("deprecated", FutureWarning, stacklevel=user_stacklevel())
+    """
+    frame, level = inspect.currentframe().f_back, 1  # warnings.warn's caller is level 1.
+    try:
+        while frame.f_back is not None and _inside_package(frame):
+            frame, level = frame.f_back, level + 1
+        return level
+    finally:
+        del frame  # A frame kept in a local makes a reference cycle.
+
+
+def _inside_package(frame):
+    return os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
 
 
 def graph_update_ops(update_ops):
