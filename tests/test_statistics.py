@@ -188,6 +188,68 @@ def test_sparse_gradients_with_duplicate_indices_count_as_dense():
                 [small, big], rtol=1e-12)
 
 
+def _dense_layers(rows, known):
+    """Four weight gradients that are products ``a^T d`` over the micro-batch's rows, one per
+    combination of transposes, and a vector one; ``(x, loss, variables)``."""
+    x = v1.placeholder(tf.float32, [rows if known else None, 60])
+    w1, w2 = v1.get_variable("w1", [60, 50]), v1.get_variable("w2", [40, 50])
+    w3, w4 = v1.get_variable("w3", [64, 40]), v1.get_variable("w4", [40, 64])
+    w5 = v1.get_variable("w5", [40])
+    out = tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2, transpose_b=True)  # [rows, 40]
+    loss = (tf.reduce_sum(tf.square(tf.matmul(w3, out, transpose_b=True)))
+            + tf.reduce_sum(tf.square(tf.matmul(w4, out, transpose_a=True, transpose_b=True)))
+            + tf.reduce_sum(tf.square(tf.linalg.matvec(out, w5))))
+    return x, loss, [w1, w2, w3, w4, w5]
+
+
+# A dense layer's weight gradient is ``a^T d``: a few rows give its squared
+# norm from their Gram matrices, without reading the gradient; many rows (or
+# a shape known only when run) read it, or choose when run.
+@pytest.mark.parametrize("rows, known, gram", [(3, True, True), (40, True, False), (3, False, None),
+                                               (40, False, None)])
+def test_squared_norms_of_dense_layer_gradients_are_exact(rows, known, gram):
+    data = np.random.RandomState(7).randn(2, rows, 60).astype(np.float32)
+    with tf.Graph().as_default() as graph:
+        v1.set_random_seed(7)
+        x, loss, variables = _dense_layers(rows, known)
+        opt = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(0.0), 3, statistics=True)
+        grads_and_vars = opt.compute_gradients(loss, variables)
+        train_op = opt.apply_gradients(grads_and_vars, weight=tf.cast(tf.shape(x)[0], tf.float32))
+        if gram is not None:
+            read = [any("/statistics/" in op.name for op in grad.consumers()) for grad, _ in grads_and_vars]
+            assert read == [not gram] * 4 + [True]
+        with _session(graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            expected = 0.0
+            for micro_batch in data:
+                grads = sess.run([grad for grad, _ in grads_and_vars], {x: micro_batch})
+                expected += rows * sum(np.sum(np.square(g.astype(np.float64))) for g in grads)
+                sess.run(train_op, {x: micro_batch})
+            np.testing.assert_allclose(sess.run(opt.statistics.variable("small_sq_norm_sum")), expected,
+                                       rtol=1e-5)
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_rows_whose_gradients_nearly_cancel_keep_their_norm(known):
+    """Rows ``a`` and ``a + 1e-3 r`` with errors ``e`` and ``-e``: the gradient's squared norm is
+    about 0.02, each row's own about 2e5 (summed in float32, the Gram matrices would lose it)."""
+    rng = np.random.RandomState(8)
+    a, r, e = 3 * rng.randn(30).astype(np.float32), rng.randn(30), 3 * rng.randn(50).astype(np.float32)
+    x_data, y_data = np.stack([a, (a + 1e-3 * r).astype(np.float32)]), np.stack([e, -e])
+    with tf.Graph().as_default() as graph:
+        x = v1.placeholder(tf.float32, [2 if known else None, 30])
+        y = v1.placeholder(tf.float32, [2 if known else None, 50])
+        w = v1.get_variable("w", initializer=tf.zeros([30, 50]))
+        opt = gradaccum.GradientAccumulator(v1.train.GradientDescentOptimizer(0.0), 2, statistics=True)
+        train_op = opt.minimize(tf.reduce_sum(tf.matmul(x, w) * y), weight=tf.shape(x)[0])
+        with _session(graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            sess.run(train_op, {x: x_data, y: y_data})
+            grad = x_data.astype(np.float64).T.dot(y_data.astype(np.float64))
+            np.testing.assert_allclose(sess.run(opt.statistics.variable("small_sq_norm_sum")),
+                                       2 * np.sum(np.square(grad)), rtol=1e-3)
+
+
 class _TwinWorkers(gradaccum.Reducer):
     """A window reducer as if a second worker had summed the same window."""
 

@@ -45,6 +45,7 @@ Collections: the variables go to ``GLOBAL_VARIABLES`` only. ``gradaccum.summarie
 adds scalars about them to ``SUMMARIES``.
 """
 import collections
+import math
 import numbers
 
 from gradaccum import _validate
@@ -366,7 +367,17 @@ def _estimate(big, small, weight, count, window_weight):
 
 
 def _sq_norm(grads, dtype):
-    """``sum_v |g_v|^2`` in ``dtype``; ``IndexedSlices`` rows are summed per index first."""
+    """``sum_v |g_v|^2`` in ``dtype``; ``IndexedSlices`` rows are summed per index first.
+
+    A dense layer's weight gradient is a product ``a^T d`` (``a``: the
+    layer's ``[K, n]`` inputs, ``d``: the ``[K, m]`` backpropagated errors,
+    ``K`` the micro-batch's rows), and ``|a^T d|^2 = sum((a a^T) * (d d^T))``:
+    ``K^2 (n + m)`` multiply-adds on data backprop just wrote, where reading
+    the gradient would move its ``n m`` elements through memory. Such
+    gradients (:func:`_thin_product`) are measured so when ``K`` is small
+    enough (decided when run if ``K`` is known only then), every other one
+    is read.
+    """
     parts = []
     for grad in grads:
         if grad is None:
@@ -376,11 +387,74 @@ def _sq_norm(grads, dtype):
             if isinstance(grad, tf.IndexedSlices):
                 unique, position = tf.unique(grad.indices)
                 values = tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0])
-            if values.dtype.base_dtype != dtype:
-                values = tf.cast(values, dtype)
-            # l2_loss is a single fused read: sum(x^2) / 2.
-            parts.append(2 * tf.nn.l2_loss(values))
+            product = None if isinstance(grad, tf.IndexedSlices) else _thin_product(values)
+            parts.append(_read_sq_norm(values, dtype) if product is None else _gram_or_read(values, product, dtype))
     return tf.add_n(parts) if parts else tf.zeros([], dtype)
+
+
+def _read_sq_norm(values, dtype):
+    """``|values|^2`` in ``dtype``, by one read pass over them."""
+    if values.dtype.base_dtype != dtype:
+        values = tf.cast(values, dtype)
+    # l2_loss is a single fused read: sum(x^2) / 2.
+    return 2 * tf.nn.l2_loss(values)
+
+
+_Product = collections.namedtuple("_Product", ["left", "right", "transpose_left", "transpose_right", "rows",
+                                               "widest"])
+
+# Ops whose output holds their first input's elements, only rearranged: the
+# squared norm passes through them.
+_REARRANGING = frozenset(["Identity", "Snapshot", "Reshape", "Squeeze", "ExpandDims", "Transpose"])
+
+
+def _thin_product(tensor):
+    """A :data:`_Product` when ``tensor`` is a float32/64 ``MatMul`` of static shape ``[n, m]``
+    (seen through ops that only rearrange elements), else ``None``.
+
+    ``rows`` is its inner dimension ``K`` (an int, or a scalar tensor when
+    known only when run), ``widest`` the largest ``K`` for which the Gram
+    matrices cost fewer multiply-adds than half its elements: reading the
+    elements would then take longer.
+    """
+    while tensor.op.type in _REARRANGING and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    # Half precision is left to the read: its gradient holds the product rounded to 11 bits.
+    if tensor.op.type != "MatMul" or tensor.dtype.base_dtype not in (tf.float32, tf.float64):
+        return None
+    n, m = tensor.shape.as_list()  # A MatMul's output has rank 2.
+    if n is None or m is None:
+        return None
+    widest = int(math.floor(math.sqrt(n * m / (2.0 * (n + m)))))
+    if widest < 1:  # A vector, or nearly: even one row costs more than reading it.
+        return None
+    left, right = tensor.op.inputs[0], tensor.op.inputs[1]
+    transpose_left = tensor.op.get_attr("transpose_a")
+    axis = 0 if transpose_left else 1
+    rows = tf.compat.v1.dimension_value(left.shape[axis]) if left.shape.ndims == 2 else None
+    if rows is None:
+        rows = tf.shape(left)[axis]
+    return _Product(left, right, transpose_left, tensor.op.get_attr("transpose_b"), rows, widest)
+
+
+def _gram_sq_norm(product, dtype):
+    """``|left right|^2`` in ``dtype`` from the factors' Gram matrices, taken in float64 so that rows
+    whose gradients (nearly) cancel lose nothing to rounding."""
+    left, right = tf.cast(product.left, tf.float64), tf.cast(product.right, tf.float64)
+    left_gram = tf.linalg.matmul(left, left, transpose_a=not product.transpose_left,
+                                 transpose_b=product.transpose_left)
+    right_gram = tf.linalg.matmul(right, right, transpose_a=product.transpose_right,
+                                  transpose_b=not product.transpose_right)
+    return tf.cast(tf.reduce_sum(left_gram * right_gram), dtype)
+
+
+def _gram_or_read(values, product, dtype):
+    """``|values|^2`` of a :data:`_Product`: from its Gram matrices when its ``K`` is at most its
+    ``widest``, else by reading ``values``; a ``tf.cond`` when ``K`` is known only when run."""
+    if isinstance(product.rows, int):
+        return _gram_sq_norm(product, dtype) if product.rows <= product.widest else _read_sq_norm(values, dtype)
+    return tf.cond(product.rows <= product.widest, lambda: _gram_sq_norm(product, dtype),
+                   lambda: _read_sq_norm(values, dtype), name="sq_norm")
 
 
 def learning_rate(optimizer):
