@@ -52,6 +52,7 @@ from gradaccum.devices.model import check_model_fn, checked_var_list, tower_scop
 from gradaccum.devices.placement import device_function, placement as checked_placement
 from gradaccum.window import pipeline
 from gradaccum.window.accumulator import GradientAccumulator
+from gradaccum.window.replicas import in_replica_context
 from gradaccum.window.update_ops import ALL, FIRST, chosen_update_ops
 
 
@@ -122,8 +123,10 @@ def minimize(optimizer, model_fn, inputs, *, global_step=None, var_list=None, de
       var_list: optional list of the variables to train (default: the trainable ones),
         or a callable returning it once ``model_fn`` has built them.
       devices: one device string per tower, as in ``tower.minimize``
-        (``None``: every visible GPU, else the CPU): each tower loops over
-        its shard's micro-batches (a callable input: over its own pulls).
+        (``None``: every visible GPU, else the CPU; in a ``tf.distribute``
+        replica context, one tower where the strategy placed the replica):
+        each tower loops over its shard's micro-batches (a callable input:
+        over its own pulls).
       variables_device: where the variables are created (``None``: the first device).
       update_ops: ``"first"`` (the first tower's ``UPDATE_OPS``), ``"all"``
         (every tower's; every tower then needs an example), run on every
@@ -281,13 +284,23 @@ def _tower_update_ops(update_ops, index):
 
 
 def _placements(devices, variables_device):
-    """One device function per tower, as ``tower.minimize`` places its towers."""
+    """One device function per tower, as ``tower.minimize`` places its towers.
+
+    In a ``tf.distribute`` replica context, ``devices=None`` is one tower where
+    the strategy placed the replica (its variables are the strategy's).
+    """
+    if devices is None and in_replica_context():
+        return [_where_placed]
     if devices is None and visible_gpus():
         warnings.warn("subdivisions.minimize(devices=None) now means what it means in tower.minimize: every "
                       "visible GPU, variables on `variables_device`; it was one tower, unplaced. Pass "
                       "devices=['/gpu:0'] for one GPU", FutureWarning, stacklevel=3)
     checked = checked_placement(devices, variables_device)
     return [device_function(device, checked.variables_device) for device in checked.devices]
+
+
+def _where_placed(op):
+    return op.device or ""
 
 
 def _combined(looped):

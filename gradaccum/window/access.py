@@ -20,7 +20,9 @@ class WindowAccess(object):
     """The window state of a ``GradientAccumulator``, after ``minimize``/``apply_gradients``.
 
     Each property reads the window of the one train op built in the current
-    graph; with several, take the one you mean from :attr:`windows`.
+    graph; with several, take the one you mean from :attr:`windows`. Under a
+    ``tf.distribute`` strategy one train op has a window per replica, all
+    moving alike: the properties read the first replica's of this process.
 
     Example:
       >>> train_op = opt.minimize(loss)
@@ -122,6 +124,8 @@ class WindowAccess(object):
                              "`apply_gradients` first" % self.get_name())
         graph = tf.compat.v1.get_default_graph()
         found = [w for w in self._windows if w.train_op.graph is graph] or self._windows
+        # Under a strategy every replica's window moves alike: the first replica's answers.
+        found = [w for w in found if not getattr(w, "replica", None)]
         if len(found) > 1:
             raise ValueError("GradientAccumulator %r built %d train ops, each with its own window: "
                              "take the one you mean from `windows`" % (self.get_name(), len(found)))

@@ -24,8 +24,9 @@ Logging: a train op with k > 1 and a ``global_step`` installs
 ``gradaccum.window.logfilter.GlobalStepWarningFilter`` (see there).
 """
 from gradaccum import _validate
-from gradaccum._compat import in_control_flow, is_resource_variable, loss_scale_optimizer_types, tf, v1_control_flow
-from gradaccum.window import custom_gradients, logfilter, pipeline
+from gradaccum._compat import (in_control_flow, is_resource_variable, is_variable, loss_scale_optimizer_types, tf,
+                               v1_control_flow)
+from gradaccum.window import custom_gradients, logfilter, pipeline, replicas
 from gradaccum.window import statistics as _statistics
 from gradaccum.window.access import WindowAccess
 from gradaccum.window.observers import WindowObserver
@@ -60,6 +61,11 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
 
     A wrapped :class:`gradaccum.Reducer` (the collective engine, the Horovod
     adapter) combines each window across workers (``gradaccum.reducers``).
+    Built in a ``tf.distribute`` strategy's replica context (an Estimator's
+    ``model_fn`` with ``train_distribute``, Keras under ``strategy.scope()``,
+    ``strategy.run``), each replica accumulates its own micro-batches and the
+    strategy reduces them once per window, on its last run
+    (``gradaccum.window.replicas``).
 
     Args:
       optimizer: the ``tf.compat.v1.train.Optimizer`` that applies the averaged
@@ -95,8 +101,14 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
         ``tower.minimize`` and ``subdivisions.minimize`` (a rewrite such as
         ``memory_saving_gradients.gradients``). It replaces the innermost
         wrapped optimizer's differentiation only: the optimizers between act
-        as usual. ``grad_loss`` is ``None`` or a float tensor of the loss's
-        dtype and shape (the micro-batch weight, when backprop carries it).
+        as usual, and inside ``gradients`` that optimizer's own
+        ``compute_gradients`` returns TensorFlow's gradients. ``grad_loss``
+        is ``None`` or a float tensor of the loss's dtype and shape (the
+        micro-batch weight, when backprop carries it). ``gate_gradients``,
+        ``aggregation_method`` and ``colocate_gradients_with_ops`` are passed
+        on as ``tf.compat.v1.gradients`` takes them when the function declares them
+        (or ``**kwargs``); otherwise only their defaults (and ``GATE_GRAPH``,
+        applied to its gradients) are accepted.
       name: the name scope of the ops and of the state variables.
 
     Raises:
@@ -184,6 +196,12 @@ class GradientAccumulator(WindowAccess, WrappingOptimizer):
 
         Returns:
           The list of ``(gradient, variable)`` pairs.
+
+        Raises:
+          ValueError: with ``gradients``, when it returns no list of one
+            gradient per variable, or is given a ``gate_gradients``,
+            ``aggregation_method`` or ``colocate_gradients_with_ops`` it does
+            not declare, other than the default.
 
         Example:
           >>> grads_and_vars = opt.compute_gradients(loss)
@@ -369,10 +387,19 @@ class WindowBuilder(object):
         step = step._replace(weight=weight, update_ops=plain, observers=observers)
         ref_flow = any(not is_resource_variable(var) for var in [v for _, v in pairs] + [step.global_step]
                        if var is not None)
-        return grads_and_vars, pairs, step, accumulator._config._replace(ref_step_flow=ref_flow)
+        config = accumulator._config._replace(ref_step_flow=ref_flow,
+                                              replicas=replicas.current(accumulator.get_name()))
+        if config.replicas is not None:
+            _check_under_strategy(config, step)
+        return grads_and_vars, pairs, step, config
 
     def register(self, window, step):
-        """Records a built window and puts its train op in ``TRAIN_OP``; returns the train op."""
+        """Records a built window and puts its train op in ``TRAIN_OP``; returns the train op.
+
+        Under a ``tf.distribute`` strategy each replica registers its own
+        window; ``window.replica`` is its index in its process (else ``None``).
+        """
+        window.replica = replicas.local_replica()
         tf.compat.v1.get_default_graph().add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP, window.train_op)
         self._accumulator._windows.append(window)
         if self.size.k != 1 and step.global_step is not None:
@@ -432,6 +459,19 @@ def _check_outside_control_flow(name):
             "GradientAccumulator %r must build its train op outside tf.cond and tf.while_loop; "
             "to combine it with loss scaling, wrap the loss-scale optimizer inside it: "
             "GradientAccumulator(MixedPrecisionLossScaleOptimizer(opt, 'dynamic'), k)" % name)
+
+
+def _check_under_strategy(config, step):
+    """Refuses, in one line, what a window cannot yet do exactly in a strategy's replica context."""
+    refused = [what for what, used in (
+        ("a Reducer (%s)" % type(config.reducer).__name__, config.reducer is not None),
+        ("statistics, an adaptive policy or observers", bool(config.observers)),
+        ("window batch norm", bool(step.observers))) if used]
+    if refused:
+        raise ValueError(
+            "GradientAccumulator %r cannot combine %s with a tf.distribute strategy (%s): the strategy reduces "
+            "the window itself; leave it out, or train without the strategy"
+            % (config.name, refused[0], config.replicas.name))
 
 
 def _window_size(num_micro_batches):
@@ -499,7 +539,7 @@ def _checked_pairs(grads_and_vars):
                          % _validate.describe(grads_and_vars))
     converted = []
     for grad, var in pairs:
-        if not isinstance(var, (tf.Variable, tf.Tensor)):
+        if not (isinstance(var, tf.Tensor) or is_variable(var)):
             raise TypeError("`grads_and_vars` must pair gradients with variables, got %s" % _validate.describe(var))
         if grad is not None:
             try:

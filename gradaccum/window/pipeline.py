@@ -56,24 +56,30 @@ This module adds nothing to any collection; the caller keeps the wrapped
 optimizer's internal apply ops out of ``TRAIN_OP``.
 """
 import collections
+import contextlib
+import functools
 
 from gradaccum._compat import is_resource_variable, tf, v1_control_flow
 from gradaccum.window.gradients import all_finite, normalized, sparse_again, touched_rows, values_of, weighted
 from gradaccum.window.observers import MicroBatch, WindowUpdate
+from gradaccum.window.replicas import Finish
 from gradaccum.window.state import state_variable
 
 # Half-precision sums lose digits after a few additions: never accumulate
 # in fewer bits than float32.
 _FLOAT_WIDTH = {tf.float16: 16, tf.bfloat16: 16, tf.float32: 32, tf.float64: 64}
 _BASE_APPLY = tf.compat.v1.train.Optimizer.apply_gradients
+_NOTHING = contextlib.nullcontext()
 
 Config = collections.namedtuple("Config", [
     "applier", "name", "size", "clip_norm", "accumulation_dtype", "skip_nonfinite", "observers", "reducer",
-    "loss_scaled", "ref_step_flow"])
+    "loss_scaled", "ref_step_flow", "replicas"], defaults=[None])
 """What a ``GradientAccumulator`` decided once. ``applier`` applies the
 averaged update (the reducer or the wrapped optimizer); ``size`` is a
 :class:`WindowSize`; ``observers`` are callables ``(pairs, sum_dtype) ->
-WindowObserver``, called once per window, in its name scope."""
+WindowObserver``, called once per window, in its name scope; ``replicas``
+is ``None``, or the :class:`gradaccum.window.replicas.Replicas` of the
+``tf.distribute`` replica context the train op is built in."""
 
 Step = collections.namedtuple("Step", [
     "global_step", "name", "weight", "update_ops", "small_batches", "weighted_grads", "observers"],
@@ -241,7 +247,7 @@ def build(config, grads_and_vars, pairs, step):
       >>> window = build(config, gv, gv, Step(step, None, None, [], None, False))
     """
     check_reducer(config)
-    if config.size.k == 1:
+    if config.size.k == 1 and (config.replicas is None or _plain_apply(config, step)):
         return _build_direct(config, grads_and_vars, pairs, step)
     return _build_window(config, pairs, step)
 
@@ -270,12 +276,17 @@ def check_reducer(config):
 # ------------------------------------------------------------ k = 1, static
 
 
+def _plain_apply(config, step):
+    """k = 1 with nothing to decide or observe: the wrapped optimizer's own train op is the window."""
+    decide = step.weight is not None or config.skip_nonfinite or config.reducer is not None
+    return not (decide or config.observers or config.clip_norm is not None)
+
+
 def _build_direct(config, grads_and_vars, pairs, step):
     """k = 1: the wrapped optimizer's own train op, unless something must be decided or observed."""
-    decide = step.weight is not None or config.skip_nonfinite or config.reducer is not None
     one = (tf.constant(1, tf.int64), tf.constant(True))
     variables = [v for _, v in pairs]
-    if not (decide or config.observers or config.clip_norm is not None):
+    if _plain_apply(config, step):
         with tf.control_dependencies(step.update_ops):
             train_op = counted_apply(
                 config.applier, lambda gv: config.applier.apply_gradients(gv, step.global_step, step.name),
@@ -376,7 +387,11 @@ def _build_window(config, pairs, step):
             with tf.control_dependencies([accumulate]):
                 limit = config.size.k if state.size is None else state.size.read_value()
                 due = tf.greater_equal(state.micro_step.read_value(), limit, name="window_full")
-            fused = tf.cond(due, lambda: _end_window(end), tf.no_op, name="apply_if_due")
+            if config.replicas is None:
+                fused = tf.cond(due, lambda: _end_window(end), tf.no_op, name="apply_if_due")
+            else:
+                with tf.control_dependencies([accumulate]):
+                    fused = _hand_over(end, due, _window_sums(state))
             train_op = tf.group(fused, name=step.name or "train")
         # The manual ops must not wait for the caller's control dependencies
         # (typically UPDATE_OPS, which need a feed): rebuild the scope cleanly.
@@ -385,6 +400,10 @@ def _build_window(config, pairs, step):
             size = _size(config, state, step.global_step)
 
     def build_apply():
+        if config.replicas is not None:
+            raise ValueError("GradientAccumulator %r has no manual apply_op under a tf.distribute strategy: "
+                             "the strategy reduces inside the train op, on the run that ends a window; run "
+                             "the train op once per micro-batch" % config.name)
         with graph.as_default(), v1_control_flow(config.ref_step_flow), tf.control_dependencies(None), \
                 tf.compat.v1.variable_scope(var_scope, reuse=tf.compat.v1.AUTO_REUSE, auxiliary_name_scope=False), \
                 tf.compat.v1.name_scope(scope), keep_train_ops(graph):
@@ -397,7 +416,7 @@ def _create_state(config, pairs, step, every_pair, sharded):
     """The window's variables: caches for ``pairs``; the weight's dtype from ``every_pair`` (alike on all workers)."""
     # init_scope: outside surrounding control dependencies and control flow,
     # so initializers never wait for update ops or feeds.
-    with tf.compat.v1.init_scope():
+    with tf.compat.v1.init_scope(), _replica_local(config):
         slots = [_create_slot(config, var, grad) for grad, var in pairs]
         first = _first(pairs)
         sum_dtype = _sum_dtype(every_pair, config.accumulation_dtype)
@@ -412,6 +431,11 @@ def _create_state(config, pairs, step, every_pair, sharded):
         made = _make_observers(config, every_pair, sum_dtype)
     return _State(slots, micro_step, weight_sum, size, sparse_sq, skipped, made + list(step.observers), len(made),
                   sharded)
+
+
+def _replica_local(config):
+    """Under a strategy, a block whose variables are this replica's own; else an empty block."""
+    return config.replicas.local_variables() if config.replicas is not None else _NOTHING
 
 
 def _create_slot(config, var, grad):
@@ -465,7 +489,7 @@ def summed_state(config, pairs, step):
       >>> state = summed_state(config, pairs, step)
     """
     check_reducer(config)
-    with tf.compat.v1.init_scope():
+    with tf.compat.v1.init_scope(), _replica_local(config):
         sum_dtype = _sum_dtype(pairs, config.accumulation_dtype)
         skipped = state_variable("skipped_windows", [], tf.int64, _first(pairs))
         made = _make_observers(config, pairs, sum_dtype)
@@ -511,8 +535,10 @@ def finish_summed(config, state, step, outer_scope, pairs, total):
     if config.reducer is not None and config.clip_norm is not None and _has_sparse(pairs):
         # The reducer sums rows over the workers: keep the norm of the rows as given.
         sparse_sq = _sparse_sq_norm([grad for grad, _ in pairs], None, total.dtype.base_dtype)
-    return _finish(_End(config, state, step.global_step, outer_scope), _Sums(pairs, total, sparse_sq, None),
-                   divide=True)
+    end, sums = _End(config, state, step.global_step, outer_scope), _Sums(pairs, total, sparse_sq, None)
+    if config.replicas is not None:  # Every run ends a window.
+        return _hand_over(end, tf.constant(True), sums)
+    return _finish(end, sums, divide=True)
 
 
 # ------------------------------------------------------------ add a micro-batch
@@ -635,6 +661,51 @@ def _add_sparse(slot, grad, weight):
 def _end_window(end, may_be_empty=False):
     """Sum: reads the window's caches, then finishes it."""
     return _finish(end, _window_sums(end.state, may_be_empty), divide=True)
+
+
+def _hand_over(end, due, sums):
+    """Under a strategy: hands this replica's window to the strategy (every run), then resets or skips.
+
+    The strategy reduces and applies on the run that ends the window
+    (:class:`gradaccum.window.replicas.Replicas`); each replica resets its own
+    state after it, or counts a skipped window. ``sums`` are this replica's
+    window sums, read after its micro-batch was added.
+    """
+    config, state = end.config, end.state
+    scalars = [] if sums.sparse_sq is None else [sums.sparse_sq]
+    finish = Finish(config.applier, [var for _, var in sums.pairs], functools.partial(averaged, config),
+                    end.global_step, end.outer_scope)
+    applied = config.replicas.end_window(due, (sums.pairs, sums.total, scalars), finish)
+
+    def reset_or_skip():
+        return tf.cond(applied, lambda: tf.group(*_reset(state, sums.rows)), lambda: _skip(state),
+                       name="reset_or_skip")
+
+    with tf.control_dependencies([applied]):
+        return tf.cond(due, reset_or_skip, tf.no_op, name="reset_if_due")
+
+
+def averaged(config, sums_and_vars, total, scalars):
+    """One device's reduced window as the window applies it: ``(usable, update)``.
+
+    Args:
+      config: the accumulator's :data:`Config`.
+      sums_and_vars: ``(sum, variable)`` pairs, summed over every replica.
+      total: the summed weight to divide by, a scalar tensor.
+      scalars: ``[]``, or ``[sparse_sq_norm]`` summed over every replica.
+
+    Returns:
+      ``(usable, pairs, finite)``: a bool tensor (``None``: always usable)
+      that decides skip; the averaged, clipped ``(gradient, variable)``
+      pairs; and, with a wrapped loss-scale optimizer (which skips a
+      non-finite update itself), whether it applies them, else ``None``.
+
+    Example:
+      >>> usable, update, finite = averaged(config, reduced_pairs, total, [])
+    """
+    sums = _Sums(list(sums_and_vars), total, scalars[0] if scalars else None, None)
+    mean = normalized(sums.pairs, total)
+    return _usable(config, sums), _clip(config, mean, sums), _loss_scale_applies(config, mean)
 
 
 def _finish(end, sums, divide):
