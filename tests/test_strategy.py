@@ -64,13 +64,18 @@ def _data(nan_window=None):
     return updates
 
 
-def _model(x, y):
-    """Mean squared error of a dense layer, in the inputs' dtype."""
+def _model(x, y, sparse=False):
+    """Mean squared error of a dense layer, in the inputs' dtype; ``sparse``: plus a looked-up bias."""
     dtype = x.dtype.base_dtype
     w = tf.compat.v1.get_variable("w", dtype=dtype, initializer=tf.constant(
         np.array([[0.3], [-0.2], [0.5]]), dtype))
     b = tf.compat.v1.get_variable("b", dtype=dtype, initializer=tf.constant(np.array([0.1]), dtype))
-    return [w, b], tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
+    prediction, variables = tf.matmul(x, w) + b, [w, b]
+    if sparse:  # An IndexedSlices gradient: the rows the micro-batch's ids pick, some of 5 rows never.
+        table = tf.compat.v1.get_variable("table", dtype=dtype, initializer=tf.constant(np.zeros([5, 1]), dtype))
+        ids = tf.math.floormod(tf.cast(tf.floor(tf.abs(x[:, 0]) * 2.0), tf.int32), 4)
+        prediction, variables = prediction + tf.gather(table, ids), variables + [table]
+    return variables, tf.reduce_mean(tf.square(prediction - y))
 
 
 def _fetch_state(sess, opt, variables, step):
@@ -79,12 +84,12 @@ def _fetch_state(sess, opt, variables, step):
     return sess.run(list(variables) + slots + [step])
 
 
-def _one_device(optimizer, data, clip_norm=None, skip=(), dtype=tf.float64):
+def _one_device(optimizer, data, clip_norm=None, skip=(), dtype=tf.float64, sparse=False):
     """The reference: one device, each update on the global batch (every replica's micro-batches)."""
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(dtype, [None, 3])
         y = tf.compat.v1.placeholder(dtype, [None, 1])
-        variables, loss = _model(x, y)
+        variables, loss = _model(x, y, sparse)
         step = tf.compat.v1.train.get_or_create_global_step()
         opt = dict(OPTIMIZERS, **EXTRA_OPTIMIZERS)[optimizer]()
         grads_and_vars = opt.compute_gradients(loss)
@@ -106,8 +111,8 @@ class _Job(object):
     """A graph with the accumulator built in each replica through ``strategy.run``, and its session."""
 
     def __init__(self, strategy_name, optimizer, k=None, plain=False, form="minimize", runner="run",
-                 dtype=tf.float64, wrap=None, **kwargs):
-        self.form, self.runner = form, runner
+                 dtype=tf.float64, wrap=None, sparse=False, **kwargs):
+        self.form, self.runner, self.sparse = form, runner, sparse
         self.graph = tf.Graph()
         with self.graph.as_default():
             self.strategy = STRATEGIES[strategy_name]()
@@ -150,7 +155,7 @@ class _Job(object):
     def _form(self, x, y, built):
         # The strategy sums the replicas' gradients: each replica's loss carries 1/R.
         def loss_of(x, y):
-            variables, loss = _model(x, y)
+            variables, loss = _model(x, y, self.sparse)
             built["variables"] = variables
             return loss / float(self.replicas)
 
@@ -256,6 +261,18 @@ def test_a_window_checkpoint_restores_mid_window_under_the_strategy_and_at_its_e
     with alone.graph.as_default():
         tf.compat.v1.train.Saver(gradaccum.plain_variables(alone.opt)).restore(alone.sess, end_of_window)
     _assert_close(alone.state(), _one_device("adam", data[:1]))
+
+
+@pytest.mark.parametrize("clip_norm", [None, 0.05])
+def test_sparse_gradients_under_a_strategy_equal_one_device(clip_norm):
+    data = _data()
+    job = _Job("mirrored", "adam", sparse=True, clip_norm=clip_norm)
+    assert [t is not None for t in job.opt.windows[0].touched] == [False, False, True]  # The table's is sparse.
+    job.train_on(data)
+    want = _one_device("adam", data, clip_norm=clip_norm, sparse=True)
+    _assert_close(job.state(), want)
+    table = job.state()[2]
+    assert table[4, 0] == 0.0 and np.all(table[:4, 0] != 0.0)  # Row 4 never looked up: never touched.
 
 
 def test_nothing_moves_before_the_window_ends():
