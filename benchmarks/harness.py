@@ -11,7 +11,8 @@ defines three functions and imports TensorFlow only inside them:
 
 The API (all seconds are per micro-step, i.e. per ``session.run`` of a train op):
 
-* ``MODELS`` (name -> ``fn(images, labels, **model_args) -> loss``): add a model with one entry.
+* ``MODELS`` (name -> ``fn(images, labels, **model_args) -> loss``) and ``SMOKE_MODEL_ARGS`` (name ->
+  its smallest arguments, for ``--smoke``): add a model with one entry in each.
 * Trainers ``fn(model_fn, images, labels, k, make_optimizer, global_step) -> Window``:
   ``ours``, ``ours_unweighted``, ``plain``, ``fwd_bwd``, ``one_run`` (its rows keyed ``ingraph``, as results.json keeps them) here; a peer is one more such function.
   A trainer that takes the whole window in one run (``one_run``) returns ``Window(..., whole_window=True)``:
@@ -30,6 +31,11 @@ The API (all seconds are per micro-step, i.e. per ``session.run`` of a train op)
   the full-batch update (build the bench with ``optimizer="sgd", reference=True``).
 * ``profile_window(bench)``: op time per micro-step by scope and op type (``RunMetadata`` step stats).
 * ``run_child(family, spec, timeout, env)`` (``ChildError``), ``markdown_table(header, rows)``, ``fmt``.
+* Smoke size: a child whose spec has ``"smoke": true`` (``run.py --smoke``) builds every bench at
+  ``SMOKE_MICRO`` examples per micro-batch at most, on its model's ``SMOKE_MODEL_ARGS`` (a model
+  without that entry is refused), and times, profiles and checks errors over at most
+  ``SMOKE_ROUNDS`` rounds or windows: every code path of the child runs, in seconds; its figures
+  mean nothing.
 
 A minimal family (``engines.py`` would look the same)::
 
@@ -77,6 +83,10 @@ RESULT_PREFIX = "BENCH_RESULT "
 MB = 1024.0 * 1024.0
 LEARNING_RATE = 1e-3  # Adam, for timing; small enough to stay finite on random labels.
 SGD_LEARNING_RATE = 1e-2  # For errors: an SGD update is proportional to its gradient.
+SMOKE_MICRO = 4  # Examples per micro-batch at most in a smoke child (4 towers take one each).
+SMOKE_ROUNDS = 2  # Timed rounds, profiled and error windows at most in a smoke child.
+# Whether this process is a smoke child: set by ``child_main`` from the spec's ``"smoke"``.
+smoke = False
 
 Window = collections.namedtuple("Window", ["before", "each", "after", "whole_window"], defaults=(False,))
 Window.__doc__ = """One window's runs: ``before``/``after`` without a feed, ``each`` once per micro-batch,
@@ -181,6 +191,21 @@ def mlp(images, labels, widths=(2048, 2048, 2048)):
 
 
 MODELS = {"cnn": cnn, "mlp": mlp}
+SMOKE_MODEL_ARGS = {"cnn": {"width": 2}, "mlp": {"widths": [8]}}  # Merged over a smoke child's model_args.
+
+
+def _sized(model, micro, model_args):
+    """``(micro, model_args)`` as given, or at the smoke size in a smoke child.
+
+    Raises:
+      ValueError: in a smoke child, for a model without a ``SMOKE_MODEL_ARGS`` entry.
+    """
+    if not smoke:
+        return micro, model_args
+    if model not in SMOKE_MODEL_ARGS:
+        raise ValueError("`model` %r has no SMOKE_MODEL_ARGS entry (its smallest arguments, for --smoke)"
+                         % (model,))
+    return min(micro, SMOKE_MICRO), dict(model_args or {}, **SMOKE_MODEL_ARGS[model])
 
 
 # ------------------------------------------------------------------ trainers
@@ -338,6 +363,7 @@ def build_bench(name, model, trainer, micro, k, model_args=None, optimizer="adam
       >>> bench = build_bench("ours", "mlp", ours, 8, 8, {"widths": [4]})
     """
     tf = _tf()
+    micro, model_args = _sized(model, micro, model_args)
     graph = tf.Graph()
     losses = []
 
@@ -465,6 +491,8 @@ def time_side_by_side(benches, rounds, windows=1, warmup=1, max_seconds=None, mi
     Example:
       >>> times = time_side_by_side([a, b], rounds=11)
     """
+    if smoke:
+        rounds, min_rounds = min(rounds, SMOKE_ROUNDS), min(min_rounds, SMOKE_ROUNDS)
     for bench in benches:
         for _ in range(warmup):
             bench.run_window()
@@ -606,6 +634,7 @@ def update_errors(bench, windows, seed=1):
     """
     import numpy as np
 
+    windows = min(windows, SMOKE_ROUNDS) if smoke else windows
     variables, grads = bench.reference
     images, labels = list(bench.feeds[0])
     micro = len(bench.feeds[0][images])
@@ -642,6 +671,7 @@ def profile_window(bench, windows=3):
       >>> steps = profile_window(bench)  # steps[-1]: the applying micro-step
     """
     tf = _tf()
+    windows = min(windows, SMOKE_ROUNDS) if smoke else windows
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     steps = [collections.defaultdict(float) for _ in bench.feeds]
     for _ in range(windows):
@@ -683,7 +713,8 @@ def run_child(family, spec, timeout, env=None, python=None):
       spec: a JSON-serialisable dict; ``mode`` picks the TF behaviour (default ``"tf1"``).
       timeout: seconds before the child is killed.
       env: extra environment variables (for example ``TF_ENABLE_ONEDNN_OPTS``).
-      python: the interpreter (default ``sys.executable``).
+      python: the interpreter (default ``sys.executable``), or a list: the command's first
+        arguments in its place (``tests/forkserver.py``'s client).
 
     Raises:
       ChildError: on a timeout, a non-zero exit or no result line (one line: the child's error).
@@ -691,7 +722,8 @@ def run_child(family, spec, timeout, env=None, python=None):
     Example:
       >>> run_child("peers", {"kind": "time", "quick": True}, 600)
     """
-    command = [python or sys.executable, os.path.abspath(__file__), family, json.dumps(spec)]
+    prefix = list(python) if isinstance(python, (list, tuple)) else [python or sys.executable]
+    command = prefix + [os.path.abspath(__file__), family, json.dumps(spec)]
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     try:
         done = subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -722,11 +754,16 @@ def markdown_table(header, rows):
 
 
 def child_main(argv):
-    """``python harness.py FAMILY SPEC_JSON``: set up TF, run ``FAMILY.measure``, print the result line."""
+    """``python harness.py FAMILY SPEC_JSON``: set up TF, run ``FAMILY.measure``, print the result line.
+
+    A spec with ``"smoke": true`` runs at the smoke size (see the module docstring).
+    """
+    global smoke
     if len(argv) != 2:
         sys.stderr.write("usage: harness.py FAMILY SPEC_JSON\n")
         return 2
     spec = json.loads(argv[1])
+    smoke = bool(spec.get("smoke"))
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
     family = importlib.import_module(argv[0])  # Families import TensorFlow only when measuring.
@@ -740,4 +777,6 @@ def child_main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1:]))
+    import harness  # The module the families import: ``smoke`` must be set in it, not in ``__main__``.
+
+    sys.exit(harness.child_main(sys.argv[1:]))

@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/run.py                      # full run, <= 10 min on 2 quiet cores
     python benchmarks/run.py --quick              # a few minutes: the trend, not for quoting
+    python benchmarks/run.py --smoke              # every kind of child once, tiny: does it still run?
     python benchmarks/run.py --json benchmarks/results.json
     python benchmarks/run.py --family peers --python /path/to/tf115/bin/python   # TF 1.15
     python benchmarks/run.py --update-docs        # also rewrite docs/guides/performance.md's figures
@@ -13,8 +14,8 @@ with ``plan``/``measure``/``summarize``: see ``harness.py`` for that API) plans 
 children; every child is a fresh interpreter, so each memory peak is clean and
 ``TF_ENABLE_ONEDNN_OPTS`` can differ per child. This
 parent never imports TensorFlow. Writes ``results.md`` (``results_quick.md`` with
-``--quick``) into ``--output-dir``. A failed child is reported and the run goes on;
-the exit status is then 1. Bad flags print one line and exit with status 2.
+``--quick``, ``results_smoke.md`` with ``--smoke``) into ``--output-dir``. A failed child is
+reported and the run goes on; the exit status is then 1. Bad flags print one line and exit with status 2.
 """
 import datetime
 import importlib
@@ -43,6 +44,37 @@ def families():
     return list(CORE_FAMILIES) + extra
 
 
+# Spec keys that only size or repeat a child; the others (``kind``, ``setup``, ``group``, ``row``,
+# ``config``, ``tag``, ``rows``, ``env``, any new one) choose what it runs: its variant.
+SIZE_KEYS = ("repeat", "rounds", "error_windows", "update_repeats", "micro", "k", "smoke")
+
+
+def variant(spec):
+    """What a child runs, whatever its size: ``spec`` less ``SIZE_KEYS``, as sorted JSON.
+
+    Example:
+      >>> variant({"kind": "time", "group": "towers", "rounds": 3})
+      '{"group": "towers", "kind": "time"}'
+    """
+    return json.dumps(dict((key, value) for key, value in spec.items() if key not in SIZE_KEYS), sort_keys=True)
+
+
+def smoke_plan(name):
+    """Family ``name``'s smoke children: the first child of each variant (``variant``) of its quick plan,
+    then of its full plan (a variant only that has), each with ``"smoke": True`` (``harness``'s smoke size).
+
+    Example:
+      >>> [spec["group"] for spec in smoke_plan("features")][:2]
+      ['statistics_cnn', 'statistics_mlp10m']
+    """
+    module, specs, seen = importlib.import_module(name), [], set()
+    for spec in module.plan(True) + module.plan(False):
+        if variant(spec) not in seen:
+            seen.add(variant(spec))
+            specs.append(dict(spec, smoke=True))
+    return specs
+
+
 # key -> (target, what); the issue's contract. A missing or None value is "not measured".
 TARGETS = {
     "mlp10m_weighted_over_unweighted_time": (1.01, "10M MLP, weight given / weight=None, time per micro-step"),
@@ -55,9 +87,12 @@ TARGETS = {
                                                   "pattern and plain, time per micro-batch"),
     "ingraph_peak_over_micro_peak_plus_params": (1.05, "CNN, peak RSS: one run per update, fed the whole batch / (plain micro "
                                                        "+ params + sums)"),
+    "strategy_mirrored_over_plain_time": (1.02, "MirroredStrategy on 2 virtual CPUs, the example's CNN: ours / the "
+                                                "strategy's plain training, time per micro-step"),
 }
 # The A/A row (the same graph built twice) beside a target on that model: the resolution of its ratio.
 AA_KEYS = {"mlp10m_weighted_over_unweighted_time": "mlp10m_twin_over_ours_time",
+           "strategy_mirrored_over_plain_time": "strategy_plain_twin_over_plain_time",
            "fused_over_plain_time": "cnn_twin_over_ours_time",
            "cnn_ingraph_over_best_peer_time": "cnn_twin_over_ours_time",
            "mlp10m_ingraph_over_best_exact_time": "mlp10m_twin_over_ours_time"}
@@ -71,7 +106,11 @@ def parse_args(argv=None):
       True
     """
     parser = harness.OneLineParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds, fewer children: the trend only")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--quick", action="store_true", help="few rounds, fewer children: the trend only")
+    sizes.add_argument("--smoke", action="store_true",
+                       help="one child of every variant of every family, at the smallest size, in seconds: "
+                            "that each still runs (its figures mean nothing)")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--merge", action="store_true",
                         help="with --json: keep PATH's other keys; this run's date, machine, load and command "
@@ -89,6 +128,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if not os.path.isdir(args.output_dir):
         parser.error("`--output-dir` %r is not a directory" % args.output_dir)
+    if args.smoke and (args.update_docs or args.json):
+        parser.error("`--smoke` figures mean nothing: not with %s" % ("--update-docs" if args.update_docs else "--json"))
     if args.update_docs:
         try:
             with open(args.update_docs) as stream:
@@ -107,11 +148,13 @@ def run_family(name, args, log):
     Each result carries its ``spec``; a failed child is a one-line entry of ``failures``.
     """
     results, failures = [], []
-    for spec in importlib.import_module(name).plan(args.quick):
+    specs = smoke_plan(name) if args.smoke else importlib.import_module(name).plan(args.quick)
+    for spec in specs:
         spec = dict(spec, mode=args.tf_mode)
         start = time.time()
         try:
-            result = harness.run_child(name, spec, 300 if args.quick else 900, spec.get("env"), args.python)
+            result = harness.run_child(name, spec, 300 if args.quick or args.smoke else 900, spec.get("env"),
+                                       args.python)
         except harness.ChildError as exc:
             failures.append("%s: %s" % (name, exc))
             log("FAILED " + failures[-1])
@@ -216,7 +259,13 @@ def docs_table(summary):
             row("4 towers / one device (virtual CPUs), time per example", "towers4_over_one_device_time"),
             row("`num_micro_batches` a constant tensor / the same int, CNN", "tensor_k_over_int_k_time_cnn", "<= 1.01"),
             row("`num_micro_batches` a constant tensor / the same int, 10M MLP", "tensor_k_over_int_k_time_mlp10m",
-                "<= 1.01")]
+                "<= 1.01"),
+            row("MirroredStrategy (2 virtual CPUs), the example's CNN: ours / the strategy's plain training, "
+                "time per micro-step", "strategy_mirrored_over_plain_time", "<= 1.02"),
+            row("the same, A/A: the strategy's plain training built twice, the second / the first",
+                "strategy_plain_twin_over_plain_time"),
+            row("MirroredStrategy: runs of one update with a cross-device reduction, ours (the plain strategy: k)",
+                "strategy_reductions_per_update", "1", 0)]
     lines = harness.markdown_table(["what", "measured", "target"], rows) + [""]
     peers = [p for p in summary.get("peers", []) if p["name"] not in NOT_TRAINING]
     cells = [[p["model"], p["label"], "skipped: %s" % p["skipped"] if p.get("skipped") and p["time_ratio"] is None
@@ -306,10 +355,12 @@ def main(argv=None):
                       "%s, %s, TensorFlow %s. `%s`, %.0f s, load average %.1f then %.1f%s." % (
                           summary["date"], summary["machine"], ", ".join(versions), summary["command"].strip(),
                           summary["seconds"], load, summary["load_average"][1],
-                          " (--quick: the trend, not for quoting)" if args.quick else ""), ""]
+                          " (--quick: the trend, not for quoting)" if args.quick else
+                          " (--smoke: that every child runs; the figures mean nothing)" if args.smoke else ""), ""]
                      + ["- FAILED: %s" % failure for failure in failures] + headline(summary) + [""]
                      + ["### The performance page's tables", ""] + docs_table(summary) + [""] + lines) + "\n"
-    with open(os.path.join(args.output_dir, "results_quick.md" if args.quick else "results.md"), "w") as stream:
+    page = "results_smoke.md" if args.smoke else "results_quick.md" if args.quick else "results.md"
+    with open(os.path.join(args.output_dir, page), "w") as stream:
         stream.write(text)
     if args.json:
         written = _merged(args.json, summary, args.family) if args.merge else summary

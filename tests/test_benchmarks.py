@@ -22,6 +22,7 @@ if BENCH_DIR not in sys.path:
 import features  # noqa: E402
 import harness  # noqa: E402
 import memory  # noqa: E402
+import strategy  # noqa: E402
 import peers  # noqa: E402
 import run  # noqa: E402
 
@@ -186,6 +187,7 @@ def test_every_key_the_issue_names_is_in_the_merged_summary(tmp_path):
     summary.update(peers.summarize(_peers_results())[0])
     summary.update(features.summarize([])[0])
     summary.update(memory.summarize([])[0])
+    summary.update(strategy.summarize([])[0])
     for key in list(run.TARGETS) + ["stream_bandwidth_gbs", "floor_ms", "statistics_on_over_off_time_mlp10m",
                                     "window_bn_over_tf_bn_time", "towers2_sync_bn_over_per_tower_bn_time"]:
         assert key in summary or key.startswith(("accumulated_peak", "ingraph_peak")), key
@@ -349,11 +351,37 @@ def test_sharded_bench_names_an_unknown_engine(capsys):
     assert "--engines: unknown engine 'stage3' (known: unsharded, sharded, stage12)" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def child_environ():
+    """``env -> env`` for ``harness.run_child``: every child forks from a server that imported TensorFlow
+    under the variables its import reads (``tests/forkserver.py``): this session's server, or one more per
+    other set (the BFC allocator's, oneDNN off), so that no child pays a TensorFlow import."""
+    import forkserver
+
+    servers = {}
+
+    def environ(env):
+        full = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env)  # As run_child makes it.
+        signature = tuple(forkserver.import_signature(full))
+        if signature == tuple(forkserver.import_signature(os.environ)):
+            return env
+        if signature not in servers:
+            servers[signature] = forkserver.ForkServer(full).start(wait=False)
+        return servers[signature].environ(env)
+
+    yield environ
+    for server in servers.values():
+        server.close()
+
+
 @pytest.mark.parametrize("config", ["ours", "ingraph"])
-def test_memory_child_reports_sane_figures(tf_mode, config):
+def test_memory_child_reports_sane_figures(tf_mode, config, child_environ):
+    import forkserver
+
     spec = {"mode": tf_mode, "kind": "memory", "config": config, "micro": 3, "k": 2, "repeat": 0,
             "model_args": {"width": 2}}
-    result = harness.run_child("memory", spec, 240, {"TF_CPU_ALLOCATOR_USE_BFC": "true"})
+    result = harness.run_child("memory", spec, 240, child_environ({"TF_CPU_ALLOCATOR_USE_BFC": "true"}),
+                               forkserver.command())
     assert result["feed_bytes"] == 2 * 3 * (28 * 28 * 4 + 4)  # The window's examples, held once.
     # Conv kernels 3x3x(1*2 + 2*4 + 4*6 + 6*8 + 8*10) and BN gamma, beta; the dense head depends on the example's.
     assert result["mode"] == tf_mode and result["param_bytes"] > 4 * (9 * 162 + 2 * 30)
@@ -372,6 +400,60 @@ def test_failed_and_timed_out_children_raise_one_line():
         harness.run_child("no_such_family", {}, 120)
     with pytest.raises(harness.ChildError, match="memory child timed out after 0.01 s"):
         harness.run_child("memory", {"kind": "memory"}, 0.01)
+
+
+def test_the_smoke_plan_runs_each_variant_once_the_full_plan_s_own_too(monkeypatch):
+    module = type(sys)("fake_family")
+    plans = {True: [{"kind": "time", "group": "a", "rounds": 3}, {"kind": "time", "group": "a", "rounds": 3,
+                                                                     "repeat": 1},
+                    {"kind": "memory", "config": "x", "micro": 40, "k": 10, "env": {"B": "1"}}],
+             False: [{"kind": "time", "group": "a", "rounds": 41}, {"kind": "time", "group": "b", "rounds": 41},
+                     {"kind": "memory", "config": "x", "micro": 20, "k": 50, "env": {"B": "1"}},
+                     {"kind": "memory", "config": "x", "micro": 20, "k": 50, "env": {"B": "0"}}]}
+    module.plan = plans.get
+    monkeypatch.setitem(sys.modules, "fake_family", module)
+    assert run.smoke_plan("fake_family") == [
+        {"kind": "time", "group": "a", "rounds": 3, "smoke": True},
+        {"kind": "memory", "config": "x", "micro": 40, "k": 10, "env": {"B": "1"}, "smoke": True},
+        {"kind": "time", "group": "b", "rounds": 41, "smoke": True},  # Only the full plan has it: run all the same.
+        {"kind": "memory", "config": "x", "micro": 20, "k": 50, "env": {"B": "0"}, "smoke": True}]
+    assert run.variant({"kind": "budget", "config": "plain", "repeat": 3, "update_repeats": 5, "smoke": True}) == \
+        run.variant({"kind": "budget", "config": "plain"})
+    assert run.parse_args(["--smoke"]).smoke and not run.parse_args([]).smoke
+
+
+@pytest.mark.one_behaviour(reason="the benchmarks run in the tf1 behaviour unless told; the children's "
+                                  "names and signatures are the same in both")
+@pytest.mark.parametrize("family", run.families())
+def test_every_variant_of_every_family_runs_at_the_smoke_size(family, tf_mode, child_environ):
+    """``run.py --smoke``'s children, through the same child protocol, then the family's summary: a name
+    renamed or a signature changed in a family, the harness or the library fails here, not in a full run."""
+    import forkserver
+    import tensorflow as tf
+
+    module = importlib.import_module(family)
+    assert os.path.dirname(os.path.abspath(module.__file__)) == BENCH_DIR
+    specs = run.smoke_plan(family)
+    # Every variant of both plans, once: a kind a family gains is run here without a word in this test.
+    assert sorted(run.variant(spec) for spec in specs) == \
+        sorted(set(run.variant(spec) for spec in module.plan(True) + module.plan(False)))
+    allocator = hasattr(tf.config.experimental, "get_memory_info")  # TF 1.15 keeps no allocator peak.
+    results = []
+    for spec in specs:
+        spec = dict(spec, mode=tf_mode)
+        result = harness.run_child(family, spec, 240, child_environ(spec.get("env", {})), forkserver.command())
+        assert result["mode"] == tf_mode
+        skipped = result.get("skipped") or {}
+        for reason in skipped.values() if isinstance(skipped, dict) else [skipped]:
+            # A peer that is not installed, else nothing: a feature that broke must not pass as skipped.
+            assert reason.endswith(" is not installed") or (not allocator and "allocator peak" in reason), reason
+        results.append(dict(result, spec=spec))
+    keys, lines = module.summarize(results)
+    targets = set(run.TARGETS) | set(getattr(module, "TARGETS", {}))
+    # Without an allocator peak (TF 1.15) the peaks, and the largest micro-batch under one, are not measured.
+    excused = ("peak", "micro_batch") if not allocator else ()
+    unmeasured = [key for key in keys if key in targets and keys[key] is None and not any(w in key for w in excused)]
+    assert not unmeasured and lines
 
 
 def test_update_docs_replaces_only_the_text_between_the_markers(tmp_path):
@@ -405,6 +487,9 @@ def test_update_docs_defaults_to_the_performance_guide_which_holds_the_markers()
     (["--update-readme", os.path.abspath(__file__)], "`--update-docs` %r must hold the benchmark markers once each"
      % os.path.abspath(__file__)),
     (["--family", "bogus"], "argument --family: invalid choice: 'bogus'"),
+    (["--smoke", "--json", "out.json"], "`--smoke` figures mean nothing: not with --json"),
+    (["--smoke", "--update-docs"], "`--smoke` figures mean nothing: not with --update-docs"),
+    (["--smoke", "--quick"], "argument --quick: not allowed with argument --smoke"),
 ])
 def test_bad_flags_exit_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as raised:
