@@ -540,6 +540,21 @@ def median_ci95(values):
     return ordered[j - 1], ordered[len(ordered) - j]
 
 
+def verdict(value, ci, target, direction="<="):
+    """``"met"``, ``"NOT met"``, ``"not resolved"`` (the 95% interval holds the target: the ratio is within
+    its own noise of it) or ``"not measured"``; ``direction`` ``"<="`` (the default) or ``">="``.
+
+    Example:
+      >>> verdict(0.88, [0.86, 0.91], 0.90)
+      'not resolved'
+    """
+    if value is None:
+        return "not measured"
+    if ci and None not in ci and ci[0] <= target <= ci[1]:
+        return "not resolved"
+    return "met" if (value <= target if direction == "<=" else value >= target) else "NOT met"
+
+
 def median_with_ci(values):
     """``(median, [low, high])`` of ``values`` (see ``median_ci95``), or ``(None, None)`` if there are none."""
     values = list(values)

@@ -161,14 +161,6 @@ def _ratios(table, top, bottom):
     return harness.median_with_ci(table[top][r] / table[bottom][r] for r in pairs)
 
 
-def _verdict(value, ci, target, direction):
-    if value is None:
-        return "not measured"
-    if ci and None not in ci and ci[0] <= target <= ci[1]:
-        return "not resolved"
-    return "met" if (value <= target if direction == "<=" else value >= target) else "NOT met"
-
-
 def summarize(results):
     """The three targets, each beside its A/A, and the budget's time per example in both forms."""
     keys = {}
@@ -196,7 +188,7 @@ def summarize(results):
             keys["recompute_budget_us_per_example_%s_%s" % (form, config)] = (
                 1e6 * statistics.median(values) if values else None)
     keys["recompute_budget_micro_batches"] = dict((c, sorted(micro.get(c, {}).values())) for c in CONFIGS)
-    keys["recompute_verdicts"] = dict((key, _verdict(keys.get(key), keys.get(key + "_ci95"), target, direction))
+    keys["recompute_verdicts"] = dict((key, harness.verdict(keys.get(key), keys.get(key + "_ci95"), target, direction))
                                       for key, (target, direction) in TARGETS.items())
     return keys, _lines(keys, peaks)
 

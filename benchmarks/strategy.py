@@ -183,14 +183,6 @@ def _reducing_runs(results, row):
     return max(runs) if runs else None
 
 
-def _verdict(value, ci, target):
-    if value is None:
-        return "not measured"
-    if ci and None not in ci and ci[0] <= target < ci[1]:
-        return "not resolved"
-    return "met" if value <= target else "NOT met"
-
-
 def summarize(results):
     """The ratio beside its A/A, the reductions per update of both rows, and one markdown table."""
     import statistics
@@ -211,7 +203,7 @@ def summarize(results):
     keys["strategy_addn_per_run"] = dict((r["spec"]["repeat"], r["addn_per_run"]) for r in results)
     keys["strategy_rounds"] = len(times.get("plain", []))
     keys["strategy_ms_per_micro_step"] = dict((name, 1e3 * statistics.median(values)) for name, values in times.items())
-    keys["strategy_verdicts"] = dict((key, _verdict(keys.get(key), keys.get(key + "_ci95"), target))
+    keys["strategy_verdicts"] = dict((key, harness.verdict(keys.get(key), keys.get(key + "_ci95"), target))
                                      for key, (target, _) in TARGETS.items())
     return keys, _lines(keys, first, len(results))
 

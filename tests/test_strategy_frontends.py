@@ -19,7 +19,6 @@ step must equal the reference's to 1e-9 relative.
 * Keras 2 ``fit`` under ``strategy.scope()`` with a v1 optimizer (see the
   comment of its section).
 """
-import importlib.util
 import os
 
 import numpy as np
@@ -27,8 +26,8 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+from test_integrations import TF_VERSION, _absent, _keras
 
-TF_VERSION = tuple(int(part) for part in tf.__version__.split(".")[:2])
 DEVICES = ["/cpu:0", "/cpu:1"]
 SESSION_CONFIG = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
 R = 2  # replicas of the two-device strategies
@@ -47,14 +46,6 @@ OPTIMIZERS = {
     "sgd": lambda: tf.compat.v1.train.GradientDescentOptimizer(0.1),
     "adam": lambda: tf.compat.v1.train.AdamOptimizer(0.1),
 }
-
-
-def _absent(framework, reason):
-    """Skips: ``framework`` does not exist here; fails instead where CI requires it
-    (``GRADACCUM_REQUIRE_INTEGRATIONS``, as in ``tests/test_integrations.py``)."""
-    if framework in os.environ.get("GRADACCUM_REQUIRE_INTEGRATIONS", "").split(","):
-        pytest.fail("%s is required here (GRADACCUM_REQUIRE_INTEGRATIONS) but absent: %s" % (framework, reason))
-    pytest.skip(reason)
 
 
 def _model_loss(x, y):
@@ -204,17 +195,6 @@ KERAS_GLOBAL = 12  # examples per update: k = 3 runs of 4 (2 per replica)
 KERAS_NAMES = {"hidden/kernel": "w1", "hidden/bias": "b1", "out/kernel": "w2", "out/bias": "b2",
                "training/beta1_power": "beta1_power", "training/beta2_power": "beta2_power",
                "global_step": "global_step"}
-
-
-def _keras():
-    """Keras 2: ``tf.keras`` up to TF 2.15, the ``tf_keras`` package from TF 2.16 on."""
-    if TF_VERSION < (2, 16):
-        return tf.keras
-    if importlib.util.find_spec("tf_keras") is None:
-        _absent("keras", "TF >= 2.16 without tf_keras: Keras 3 takes no TF1 optimizer (pip install tf-keras)")
-    import tf_keras
-
-    return tf_keras
 
 
 def _keras_run(opt_name, k, strategy):
