@@ -52,6 +52,9 @@ trained variable by name), for a window scoped ``<scope>``:
 
 With a static k = 1 there is no cache, ``micro_step`` or ``weight_sum``; only
 ``skipped_windows`` when a window can be skipped or something observes it.
+Built in a ``tf.distribute`` replica context, each replica has its own set,
+and the window's end is handed to the strategy once per run
+(``gradaccum.window.replicas``, which says how they are named).
 This module adds nothing to any collection; the caller keeps the wrapped
 optimizer's internal apply ops out of ``TRAIN_OP``.
 """
