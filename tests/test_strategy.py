@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import forkserver
 import gradaccum
+from gradaccum._compat import TF_VERSION
 from test_distributed import _env
 
 K = 3  # micro-batches per replica per update
@@ -409,3 +410,24 @@ def test_multi_worker_mirrored_workers_match_one_device_and_reduce_once_per_upda
         _assert_close([got["state_%d" % i] for i in range(len(want))], want)
         # The second update's runs: nothing crosses processes until the window's last run, then one all-reduce.
         assert list(got["trace"]) == [0] * (K - 1) + [1]
+
+
+def test_window_batch_norm_under_a_strategy_is_refused_by_name():
+    with tf.Graph().as_default():
+        strategy = STRATEGIES["mirrored"]()
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        with strategy.scope():
+            opt = gradaccum.GradientAccumulator(tf.compat.v1.train.GradientDescentOptimizer(0.1), 2)
+
+            def replica_step():
+                h = gradaccum.batch_normalization(x, True)
+                w = tf.compat.v1.get_variable("w", [3, 1])
+                return opt.minimize(tf.reduce_mean(tf.matmul(h, w)))
+
+            run = getattr(strategy, "run", None) or strategy.experimental_run_v2
+            # TF 1.15 refuses first: the layer's moving statistics are mirrored variables without aggregation.
+            refused = ("cannot combine window batch norm with a tf.distribute strategy \\(MirroredStrategy\\)"
+                       if TF_VERSION >= (2, 0)
+                       else "You must specify an aggregation method to update a MirroredVariable")
+            with pytest.raises(ValueError, match=refused):
+                run(replica_step)
