@@ -172,7 +172,8 @@ class _Plan(object):
         colocate = _compat.colocating(graph)
         grad_ys = [tf.convert_to_tensor(grad) for _, grad in wanted]  # A sparse incoming gradient, densified.
         left_out = recompute_copy.left_out(self.walk, self._routed, [out for out, _ in wanted])
-        with tf.compat.v1.colocate_with(None, ignore_existing=True), tf.compat.v1.name_scope("recompute"):
+        uncolocated = tf.compat.v1.colocate_with(None, ignore_existing=True)
+        with uncolocated, tf.compat.v1.name_scope("recompute"):
             with tf.control_dependencies(grad_ys):
                 # Every copied op waits for the incoming gradient: nothing is recomputed before it is needed,
                 # and no copy equals a forward op for common-subexpression elimination.
