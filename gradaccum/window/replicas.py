@@ -80,9 +80,14 @@ def local_replica():
     """
     if not in_replica_context():
         return None
-    replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-    replica = replica if isinstance(replica, int) else tf.get_static_value(replica)
-    return int(replica) % len(tf.distribute.get_strategy().extended.worker_devices)
+    replica = _replica_id(tf.distribute.get_replica_context())
+    return replica % len(tf.distribute.get_strategy().extended.worker_devices)
+
+
+def _replica_id(context):
+    """The replica's id in sync (over every worker) as an int: TF 2 gives a constant tensor, TF 1.15 an int."""
+    replica = context.replica_id_in_sync_group
+    return int(replica if isinstance(replica, int) else tf.get_static_value(replica))
 
 
 def current(name):
@@ -143,8 +148,7 @@ class Replicas(object):
     def __init__(self, strategy, context):
         self.strategy, self.name = strategy, name_of(strategy)
         self._context = context
-        replica = context.replica_id_in_sync_group
-        self._replica = replica if isinstance(replica, int) else tf.get_static_value(replica)
+        self._replica = _replica_id(context)
 
     @contextlib.contextmanager
     def local_variables(self):
