@@ -6,15 +6,12 @@ device trained on the global batch (every replica's micro-batches of the
 window, uneven sizes), on the variables, the optimizer's slots and
 ``global_step`` after several updates, float64.
 """
-import os
-import subprocess
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import forkserver
 import gradaccum
+import strategy_child
 from gradaccum._compat import TF_VERSION
 from test_distributed import _env
 
@@ -108,6 +105,25 @@ def _one_device(optimizer, data, clip_norm=None, skip=(), dtype=tf.float64, spar
             return _fetch_state(sess, opt, variables, step)
 
 
+def train_op(form, opt, step, loss_of, x, y):
+    """A replica's train op: ``opt`` in ``form``, on ``loss_of(x, y)``, weighted by the examples.
+
+    ``form``: ``minimize``, ``apply_gradients`` (``compute_gradients`` then
+    ``apply_gradients``) or ``subdivisions`` (one run per update: the
+    replica's whole window in ``x``, ``y``, split in the graph). A plain
+    optimizer (no accumulator) minimizes, unweighted.
+    """
+    if form == "subdivisions":
+        return gradaccum.subdivisions.minimize(opt, loss_of, [x, y], global_step=step).train_op
+    loss = loss_of(x, y)
+    if not isinstance(opt, gradaccum.GradientAccumulator):
+        return opt.minimize(loss, global_step=step)
+    weight = tf.shape(x)[0]
+    if form == "apply_gradients":
+        return opt.apply_gradients(opt.compute_gradients(loss), global_step=step, weight=weight)
+    return opt.minimize(loss, global_step=step, weight=weight)
+
+
 class _Job(object):
     """A graph with the accumulator built in each replica through ``strategy.run``, and its session."""
 
@@ -160,16 +176,7 @@ class _Job(object):
             built["variables"] = variables
             return loss / float(self.replicas)
 
-        if self.form == "subdivisions":  # One run per update: the replica's whole window, split in the graph.
-            return gradaccum.subdivisions.minimize(self.opt, loss_of, [x, y], global_step=self.step).train_op
-        loss = loss_of(x, y)
-        if not isinstance(self.opt, gradaccum.GradientAccumulator):
-            return self.opt.minimize(loss, global_step=self.step)
-        weight = tf.shape(x)[0]
-        if self.form == "apply_gradients":
-            grads_and_vars = self.opt.compute_gradients(loss)
-            return self.opt.apply_gradients(grads_and_vars, global_step=self.step, weight=weight)
-        return self.opt.minimize(loss, global_step=self.step, weight=weight)
+        return train_op(self.form, self.opt, self.step, loss_of, x, y)
 
     def feeds(self, batches):
         """One feed per run: replica r gets its i-th micro-batch on run i (one replica: all in turn).
@@ -381,35 +388,31 @@ def test_a_parameter_server_strategy_is_refused_by_name():
                 run(lambda: opt.minimize(tf.reduce_sum(w * w)))
 
 
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "strategy_child.py")
+# Under MultiWorkerMirroredStrategy: the entry points beyond minimize in strategy.run share its strategy
+# code, and the Mirrored grid runs every form in the tf2 session.
+_ALSO_TF1 = pytest.mark.one_behaviour(reason="minimize in strategy.run covers this strategy's code path")
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_multi_worker_mirrored_workers_match_one_device_and_reduce_once_per_update(tmp_path):
+@pytest.mark.parametrize("form,runner,optimizer", [
+    ("minimize", "run", "adam"),
+    pytest.param("apply_gradients", "run", "sgd", marks=_ALSO_TF1),
+    pytest.param("minimize", "call_for_each_replica", "sgd", marks=_ALSO_TF1),
+    pytest.param("subdivisions", "run", "adam", marks=_ALSO_TF1),
+])
+def test_multi_worker_mirrored_workers_match_one_device_and_reduce_once_per_update(form, runner, optimizer,
+                                                                                    tmp_path):
     """Two processes on loopback, one replica each (strategy_child.py), against one device on the union."""
-    from gradaccum import launch
-
-    spec = launch.build_cluster(2, 0, "127.0.0.1", launch.pick_free_ports(2))
     out = str(tmp_path / "mwms")
-    procs = [subprocess.Popen(forkserver.command() + [_CHILD, "--out", out], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, universal_newlines=True,
-                              env=dict(_env(), TF_CONFIG=launch.tf_config_for(spec, "worker", i)))
-             for i in range(2)]
-    try:
-        outputs = [proc.communicate(timeout=180)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
-    want = _one_device("adam", _data())
+    strategy_child.run_workers(["--out", out, "--form", form, "--runner", runner, "--optimizer", optimizer],
+                               _env())
+    want = _one_device(optimizer, _data())
     for worker in range(2):
         got = np.load("%s-worker%d.npz" % (out, worker))
         _assert_close([got["state_%d" % i] for i in range(len(want))], want)
         # The second update's runs: nothing crosses processes until the window's last run, then one all-reduce.
-        assert list(got["trace"]) == [0] * (K - 1) + [1]
+        assert list(got["trace"]) == ([1] if form == "subdivisions" else [0] * (K - 1) + [1])
 
 
 def test_window_batch_norm_under_a_strategy_is_refused_by_name():

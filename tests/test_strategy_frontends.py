@@ -18,6 +18,8 @@ step must equal the reference's to 1e-9 relative.
   checkpoints the Estimators write.
 * Keras 2 ``fit`` under ``strategy.scope()`` with a v1 optimizer (see the
   comment of its section).
+* Both under ``MultiWorkerMirroredStrategy``: two worker processes on
+  loopback, one replica each (strategy_child.py), against the same reference.
 """
 import os
 
@@ -26,6 +28,8 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+import strategy_child
+from test_distributed import _env
 from test_integrations import TF_VERSION, _absent, _keras
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -255,3 +259,38 @@ def test_keras_fit_under_a_strategy_equals_one_device_on_the_global_batch(opt_na
     strategy = _strategy(kind)
     k = KERAS_GLOBAL // 4  # 4 examples per run, over the replicas
     _check_equal(_keras_run(opt_name, k, strategy), _session_reference(opt_name, KERAS_GLOBAL), opt_name)
+
+
+# ------------------------------------------------- across processes (MWMS)
+
+
+@pytest.mark.distributed
+@pytest.mark.one_behaviour(reason="an Estimator exists on TF <= 2.15 only, where CI runs the tf1 session")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_estimator_under_multi_worker_mirrored_equals_one_device_on_the_global_batch(opt_name, tmp_path):
+    """``train_and_evaluate`` on two workers, each one replica fed its own micro-batches."""
+    _estimator_module()
+    model_dir = tmp_path / "accumulated"
+    strategy_child.run_workers(["--frontend", "estimator", "--optimizer", opt_name, "--model-dir", str(model_dir)],
+                               _env())
+    want = _estimator_reference(opt_name, tmp_path)
+    _check_equal(_checkpoint(str(model_dir)), want, opt_name)  # The chief's.
+    others = [os.path.dirname(path) for path in tf.io.gfile.glob(str(model_dir / "*" / "checkpoint"))]
+    for other in others:  # TF lets other workers save into a directory of their own: theirs must agree.
+        _check_equal(_checkpoint(other), want, opt_name)
+
+
+@pytest.mark.distributed
+@pytest.mark.one_behaviour(reason="the Keras tests under MirroredStrategy cover the tf2 session's code path")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_keras_fit_under_multi_worker_mirrored_equals_one_device_on_the_global_batch(opt_name, tmp_path):
+    """Every worker ``fit``\ s the same arrays; each run's global batch of 4 spans both workers."""
+    _keras()
+    out = str(tmp_path / "keras")
+    strategy_child.run_workers(["--frontend", "keras", "--optimizer", opt_name, "--out", out], _env())
+    want = _session_reference(opt_name, KERAS_GLOBAL)
+    for worker in range(2):
+        got = np.load("%s-worker%d.npz" % (out, worker))
+        _check_equal({name.replace("|", "/"): got[name] for name in got.files}, want, opt_name)
