@@ -373,6 +373,28 @@ def test_the_manual_apply_op_is_refused_under_a_strategy():
         job.opt.windows[0].apply_op  # noqa: B018 (the property builds it)
 
 
+@pytest.mark.parametrize("extended,why", [
+    ("TPUExtended", "its train step is compiled for the TPU, where the window.s variables and conditions do not run"),
+    ("SomeNewExtended", "gradaccum does not know whether its replicas apply one reduced update in step"),
+])
+def test_a_strategy_not_known_to_apply_in_step_is_refused_by_name(extended, why):
+    """The rule for a strategy the library has not seen: refused, by its name. No TPU here: a stand-in class."""
+    class Strategy(tf.distribute.MirroredStrategy):
+        pass
+
+    with tf.Graph().as_default():
+        strategy = Strategy(DEVICES)
+        Strategy.__name__ = extended.replace("Extended", "Strategy")
+        strategy.extended.__class__ = type(extended, (type(strategy.extended),), {})
+        with strategy.scope():
+            w = tf.compat.v1.get_variable("w", [2], dtype=tf.float32)
+            opt = gradaccum.GradientAccumulator(tf.compat.v1.train.GradientDescentOptimizer(0.1), 2)
+            run = getattr(strategy, "run", None) or strategy.experimental_run_v2
+            with pytest.raises(ValueError, match="cannot accumulate under %s: %s; use MirroredStrategy" % (
+                    Strategy.__name__, why)):
+                run(lambda: opt.minimize(tf.reduce_sum(w * w)))
+
+
 def test_a_parameter_server_strategy_is_refused_by_name():
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({"worker": ["localhost:1"], "ps": ["localhost:2"]}), task_type="worker", task_id=0,
