@@ -56,7 +56,7 @@ def main(budget_mb):
     before = sess.run(v1.global_variables())
     cap = virtual_bytes() + budget_mb * 2 ** 20
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    # Each size that fails costs TensorFlow's allocator about 10 s of retrying: a coarse bisection
+    # With oneDNN on (the test turns it off), each size that fails waits about 10 s: a coarse bisection
     # (two failures, not six) proves the same, a choice that runs and a double that does not.
     choice = gradaccum.find_micro_batch(run_step, TARGET, session=sess, precision=0.5)
     untouched = all(np.array_equal(a, b) for a, b in zip(before, sess.run(v1.global_variables())))

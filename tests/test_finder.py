@@ -58,7 +58,11 @@ def test_bad_input_raises_one_clear_error(kwargs, error, message):
 
 @pytest.mark.slow
 def test_under_a_memory_cap_the_choice_runs_and_its_double_does_not():
-    done = subprocess.run(forkserver.command() + [os.path.join(HERE, "finder_child.py"), "600"],
+    # oneDNN off: with it on (TF 2.x's default on x86), each allocation over the cap waits about 10 s before
+    # it fails (30 s of this child's 37 s were waits, 3 sizes failing); off, the same ResourceExhaustedError
+    # comes at once. A TF_* variable makes the child a fresh Python (tests/forkserver.py): 6 s of import.
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0")
+    done = subprocess.run(forkserver.command() + [os.path.join(HERE, "finder_child.py"), "600"], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
     lines = done.stdout.strip().splitlines()
     assert lines and lines[0].startswith("{"), done.stderr[-3000:]

@@ -144,6 +144,15 @@ def _fresh_named():
     return _named
 
 
+# Which of TensorFlow's arguments reach ``fn``, or are refused, is decided from ``fn``'s signature as the
+# train op is built, the same in both behaviours; the path that passes them on and trains runs in the tf2
+# session too (test_tf_arguments_passed_on_train_as_tensorflow_does, every gate).
+_ARGUMENTS = pytest.mark.one_behaviour(reason="arguments checked against fn's signature at build time; "
+                                              "test_tf_arguments_passed_on_train_as_tensorflow_does trains "
+                                              "with them in the tf2 session")
+
+
+@_ARGUMENTS
 @pytest.mark.parametrize("declares", ["kwargs", "named"])
 @pytest.mark.parametrize("gate, method, colocate", [
     ("GATE_NONE", ADD_N, True), ("GATE_OP", None, False), ("GATE_GRAPH", TREE, True)])
@@ -158,6 +167,7 @@ def test_tf_arguments_reach_a_function_that_declares_them(declares, gate, method
                                colocate_gradients_with_ops=colocate)]
 
 
+@_ARGUMENTS
 @pytest.mark.parametrize("argument, value, shown", [
     ("gate_gradients", v1.train.Optimizer.GATE_NONE, "Optimizer.GATE_NONE"),
     ("aggregation_method", ADD_N, repr(ADD_N)),
@@ -175,6 +185,7 @@ def test_a_tf_argument_the_function_does_not_declare_is_refused(call, argument, 
             getattr(acc, call)(loss, **{argument: value})
 
 
+@_ARGUMENTS
 def test_a_function_declaring_one_argument_gets_that_one_only():
     seen = []
 
@@ -190,6 +201,7 @@ def test_a_function_declaring_one_argument_gets_that_one_only():
     assert seen == [True]
 
 
+@_ARGUMENTS
 @pytest.mark.parametrize("gate", [3, -1, "GATE_OP", None])
 def test_a_gate_gradients_tf_does_not_know_is_refused(gate):
     with tf.Graph().as_default():
@@ -292,6 +304,8 @@ def _deprecated_call(call, acc, feeds):
         gradaccum.subdivisions.minimize(acc, _pair_model, feeds)  # warned: subdivisions pair
 
 
+@pytest.mark.one_behaviour(reason="the warning's stack level is Python's, the same in both behaviours; "
+                                  "every form is built in the tf2 session by the tests above")
 @pytest.mark.parametrize("call", ["minimize", "apply_gradients", "tower.minimize", "subdivisions.minimize",
                                   "tower pair", "subdivisions pair"])
 def test_a_deprecation_warning_names_the_users_line(call):
