@@ -224,7 +224,7 @@ def serve(heartbeat=True):
 
     config = cluster.from_environment()
     server = cluster.start_server(config, cluster.collective_session_config(config))
-    cluster.wait_for_tasks(config, timeout_seconds=60)
+    cluster.wait_for_tasks(config, timeout_seconds=60, poll_seconds=0.1)  # The peers start within a second.
     return config, server, cluster.Heartbeat(server, config, timeout_seconds=3.0).start() if heartbeat else None
 
 

@@ -141,14 +141,52 @@ def _launch(workers, args, ps=0):
     return out, err
 
 
+def _program_of(pid, timeout=30):
+    """The pid of the process that runs the program of the task whose process is ``pid``.
+
+    A fresh Python runs it itself. A client of tests/forkserver.py stands in
+    for a process forked from the server, which writes to the same standard
+    output: that one is what a test stops, as a stand-in cannot pass SIGSTOP on.
+    """
+    stand_in = [sys.executable, forkserver.command()[1]]
+    output = os.readlink("/proc/%d/fd/1" % pid)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if psutil.Process(pid).cmdline()[:2] != stand_in:
+            return pid  # A fresh Python (no server, or it fell back to one).
+        for proc in psutil.process_iter():
+            try:
+                if proc.pid != pid and proc.cmdline()[:3] == stand_in + ["--serve"] \
+                        and os.readlink("/proc/%d/fd/1" % proc.pid) == output:
+                    return proc.pid
+            except (psutil.Error, OSError):
+                continue  # Gone meanwhile, or not ours to read.
+        time.sleep(0.1)
+    pytest.fail("no program forked for the stand-in %d within %s s" % (pid, timeout))
+
+
+def _wait_until_gone(pid, seconds):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+
+
 def _stop_and_wait(job, pid, timeout=60):
-    """SIGSTOPs ``pid``; returns (status, seconds from the stop to the launcher's end, stdout, stderr)
-    after checking that nothing of the job is left."""
-    os.kill(pid, signal.SIGSTOP)
+    """SIGSTOPs the program of the task whose process is ``pid``; returns (status, seconds from the stop to the
+    launcher's end, stdout, stderr) after checking that nothing of the job is left, the stopped program included."""
+    program = _program_of(pid)
+    os.kill(program, signal.SIGSTOP)
     stopped = time.time()
     status = job.wait(timeout)
     elapsed = time.time() - stopped
-    _assert_gone(job.pids | {job.process.pid})
+    # A forked program is not the launcher's descendant: the server kills it once its stand-in is killed.
+    _wait_until_gone(program, 5)
+    _assert_gone(job.pids | {job.process.pid, program})
     out, err = job.text()
     return status, elapsed, out, err
 
@@ -211,14 +249,14 @@ def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(p
 def test_a_stopped_worker_ends_the_in_graph_job_within_the_heartbeat_bound():
     # Session timeouts do not end a chief's run that waits on a stopped worker;
     # the chief's cluster.Heartbeat does, within its timeout + 1 s.
-    # A fresh Python per task: a forked one's stand-in cannot pass SIGSTOP on (tests/forkserver.py).
-    job = _Job(2, ["--steps", "100000", "--heartbeat-timeout", "5"], launcher_args=["--grace", "2"],
-               python=[sys.executable])
+    # The tasks fork from one TensorFlow import; the worker's program, not its stand-in, is stopped.
+    job = _Job(2, ["--steps", "100000", "--heartbeat-timeout", "3", "--log-every", "10"],
+               launcher_args=["--grace", "1"])
     worker_pid = int(job.wait_for_line(r"started worker:1 \(pid (\d+)\)", 60).group(1))
-    job.wait_for_line(r"^\[worker:0\] global_step 50 loss", 120)
+    job.wait_for_line(r"^\[worker:0\] global_step 20 loss", 120)
     status, elapsed, out, err = _stop_and_wait(job, worker_pid)
     assert status == 75  # The chief's: cluster.HEARTBEAT_EXIT_STATUS.
-    assert elapsed < 5 + 1 + 2 + 6, elapsed  # Heartbeat bound, launcher grace, slack for a loaded machine.
+    assert elapsed < 3 + 1 + 1 + 6, elapsed  # Heartbeat bound, launcher grace, slack for a loaded machine.
     assert re.search(r"^\[worker:0\] gradaccum: worker:0: worker:1 at 127\.0\.0\.1:\d+ has not answered for \d+ s "
-                     r"\(heartbeat timeout 5 s\); stopping$", out, re.M), out[-3000:]
+                     r"\(heartbeat timeout 3 s\); stopping$", out, re.M), out[-3000:]
     assert "gradaccum.launch: chief worker:0 (pid" in err and "ended with exit status 75" in err

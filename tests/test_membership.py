@@ -161,8 +161,21 @@ def test_shards_of_two_counts_give_the_newest_step_and_mid_window_shards_are_ref
 # ------------------------------------------------------------ multi-process
 
 
+_REFERENCES = {}
+
+
 def _reference(updates):
-    """One process, the plain optimizer, on each update's global batch: the model and Adam's state by key."""
+    """One process, the plain optimizer, on each update's global batch: the model and Adam's state by key.
+
+    Computed once per session (float64 from fixed values: the same for every engine and test); do not
+    change what it returns.
+    """
+    if updates not in _REFERENCES:
+        _REFERENCES[updates] = _one_process(updates)
+    return _REFERENCES[updates]
+
+
+def _one_process(updates):
     with tf.Graph().as_default():
         graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None)
         adam = child.slots(tf)
