@@ -8,12 +8,14 @@ status or signal, signals sent to it, and a kill or timeout that ends it and
 what it started.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 
 import forkserver
@@ -88,22 +90,41 @@ def test_exit_status_and_message_are_a_fresh_processes(server, tmp_path, code, w
 
 
 def _starting_a_child(tmp_path, then):
-    """A program that starts a child which writes ``survived`` 3 s later, prints "started", then runs ``then``."""
+    """A program that starts a child which writes ``survived`` 3 s later, prints "started <its pid>", then runs
+    ``then``."""
     marker = tmp_path / "survived"
     script = _program(tmp_path, textwrap.dedent("""
         import subprocess, sys, time
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); open(%r, 'w').close()"])
-        print("started", flush=True)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3); open(%r, 'w').close()"])
+        print("started", child.pid, flush=True)
     """) % str(marker) + then)
     return script, marker
+
+
+def _child_of(started_line):
+    """The pid in a "started <pid>" line."""
+    assert re.match(r"^started \d+\n$", started_line), started_line
+    return int(started_line.split()[1])
+
+
+def _wait_until_gone(pid, seconds=10):
+    """Waits until ``pid`` has ended (its marker would come 3 s after its start); fails if it lives on."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    pytest.fail("process %d still runs %s s later" % (pid, seconds))
 
 
 def test_timeout_kills_the_program_and_what_it_started(server, tmp_path):
     script, marker = _starting_a_child(tmp_path, "time.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired) as info:
         server.run(script, str(tmp_path), ENV, 1)
-    assert info.value.output == "started\n"
-    time.sleep(4)
+    _wait_until_gone(_child_of(info.value.output))
     assert not marker.exists(), "the program's child outlived the timeout"
     assert server.run(_program(tmp_path, "pass\n"), str(tmp_path), ENV, 60)[0] == 0
 
@@ -132,11 +153,11 @@ def test_a_killed_client_takes_its_program_and_what_it_started(server, tmp_path)
     script, marker = _starting_a_child(tmp_path, "time.sleep(3)\nopen(%r, 'w').close()\n" % str(tmp_path / "survived"))
     client = subprocess.Popen(forkserver.command() + [script], env=server.environ(ENV),
                               stdout=subprocess.PIPE, universal_newlines=True)
-    assert client.stdout.readline() == "started\n"
+    child = _child_of(client.stdout.readline())
     client.kill()
     assert client.wait(30) == -signal.SIGKILL
     assert client.stdout.read() == ""  # Every writer of the pipe has gone: the program and its child.
-    time.sleep(4)
+    _wait_until_gone(child)
     assert not marker.exists(), "the program or its child outlived its client"
 
 

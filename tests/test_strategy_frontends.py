@@ -286,7 +286,7 @@ def test_estimator_under_multi_worker_mirrored_equals_one_device_on_the_global_b
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_keras_fit_under_multi_worker_mirrored_equals_one_device_on_the_global_batch(opt_name, tmp_path):
-    """Every worker ``fit``\ s the same arrays; each run's global batch of 4 spans both workers."""
+    """Every worker fits the same arrays; each run's global batch of 4 spans both workers."""
     _keras()
     out = str(tmp_path / "keras")
     strategy_child.run_workers(["--frontend", "keras", "--optimizer", opt_name, "--out", out], _env())
