@@ -165,15 +165,17 @@ def _program_of(pid, timeout=30):
     pytest.fail("no program forked for the stand-in %d within %s s" % (pid, timeout))
 
 
-def _wait_until_gone(pid, seconds):
+def wait_until_gone(pid, seconds):
+    """Whether ``pid`` ended (or is a zombie) within ``seconds``, polled every 50 ms."""
     deadline = time.time() + seconds
     while time.time() < deadline:
         try:
             if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
+                return True
         except psutil.NoSuchProcess:
-            return
+            return True
         time.sleep(0.05)
+    return False
 
 
 def _stop_and_wait(job, pid, timeout=60):
@@ -185,7 +187,7 @@ def _stop_and_wait(job, pid, timeout=60):
     status = job.wait(timeout)
     elapsed = time.time() - stopped
     # A forked program is not the launcher's descendant: the server kills it once its stand-in is killed.
-    _wait_until_gone(program, 5)
+    wait_until_gone(program, 5)
     _assert_gone(job.pids | {job.process.pid, program})
     out, err = job.text()
     return status, elapsed, out, err

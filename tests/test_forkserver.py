@@ -15,10 +15,10 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 
 import forkserver
+from test_distributed import wait_until_gone
 
 pytestmark = pytest.mark.one_behaviour  # The harness, not the library: the same in both behaviours.
 
@@ -107,24 +107,11 @@ def _child_of(started_line):
     return int(started_line.split()[1])
 
 
-def _wait_until_gone(pid, seconds=10):
-    """Waits until ``pid`` has ended (its marker would come 3 s after its start); fails if it lives on."""
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.05)
-    pytest.fail("process %d still runs %s s later" % (pid, seconds))
-
-
 def test_timeout_kills_the_program_and_what_it_started(server, tmp_path):
     script, marker = _starting_a_child(tmp_path, "time.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired) as info:
         server.run(script, str(tmp_path), ENV, 1)
-    _wait_until_gone(_child_of(info.value.output))
+    assert wait_until_gone(_child_of(info.value.output), 10), "the program's child still runs"
     assert not marker.exists(), "the program's child outlived the timeout"
     assert server.run(_program(tmp_path, "pass\n"), str(tmp_path), ENV, 60)[0] == 0
 
@@ -157,7 +144,7 @@ def test_a_killed_client_takes_its_program_and_what_it_started(server, tmp_path)
     client.kill()
     assert client.wait(30) == -signal.SIGKILL
     assert client.stdout.read() == ""  # Every writer of the pipe has gone: the program and its child.
-    _wait_until_gone(child)
+    assert wait_until_gone(child, 10), "the program's child still runs"
     assert not marker.exists(), "the program or its child outlived its client"
 
 
