@@ -31,33 +31,21 @@ picks what drives the strategy:
 import argparse
 import json
 import os
-import subprocess
 
 import numpy as np
 
-import forkserver
 import sharded_child
 
 FRONTENDS = ("session", "estimator", "keras")
 
 
-def run_workers(args, env, timeout=180):
-    """Runs this program as the 2 workers of a loopback cluster with ``args``; asserts both exit 0."""
-    from gradaccum import launch
+def run_workers(args, timeout=180):
+    """Runs this program as the 2 workers of a loopback cluster with ``args`` (test_sharded's job runner);
+    asserts that both exit 0."""
+    from test_sharded import _run_job
 
-    spec = launch.build_cluster(2, 0, "127.0.0.1", launch.pick_free_ports(2))
-    procs = [subprocess.Popen(forkserver.command() + [os.path.abspath(__file__)] + list(args),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                              env=dict(env, TF_CONFIG=launch.tf_config_for(spec, "worker", i)))
-             for i in range(2)]
-    try:
-        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    results = _run_job(2, list(args), timeout, child_script=os.path.abspath(__file__))
+    assert [status for status, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
 
 
 def _strategy(tf):

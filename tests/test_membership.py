@@ -13,6 +13,7 @@ on 2 workers, and the largest difference). Each must equal one process
 trained on the same global batches (this process), to 1e-9 on the model and
 Adam's state, for the collective engine and ShardedAllReduce stages 1 and 2.
 """
+import functools
 import os
 import re
 import subprocess
@@ -161,21 +162,13 @@ def test_shards_of_two_counts_give_the_newest_step_and_mid_window_shards_are_ref
 # ------------------------------------------------------------ multi-process
 
 
-_REFERENCES = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _reference(updates):
     """One process, the plain optimizer, on each update's global batch: the model and Adam's state by key.
 
     Computed once per session (float64 from fixed values: the same for every engine and test); do not
     change what it returns.
     """
-    if updates not in _REFERENCES:
-        _REFERENCES[updates] = _one_process(updates)
-    return _REFERENCES[updates]
-
-
-def _one_process(updates):
     with tf.Graph().as_default():
         graph = child.build(tf, lambda: child.optimizer(tf, "adam"), k=None)
         adam = child.slots(tf)

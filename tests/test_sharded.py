@@ -16,6 +16,7 @@ micro-batches, a zero-weight window and a NaN window, with and without
 ``clip_norm``) and compare with the unsharded engine in the same processes and with one process on the union of
 the data (this process), to 1e-9.
 """
+import functools
 import glob
 import os
 import subprocess
@@ -240,9 +241,6 @@ def test_a_stage2_worker_caches_the_sparse_sums_over_the_rows_any_worker_touched
     assert norm == 24.0  # this worker's own rows as given: 2^2 * (3 + 3), summed over the workers at the end
 
 
-_REFERENCES = {}
-
-
 def reference(opt_name, shares, count, empty=None, nan=None, extra=0):
     """One process, plain optimizer, one run per applied window on the union of the workers' points.
 
@@ -250,12 +248,10 @@ def reference(opt_name, shares, count, empty=None, nan=None, extra=0):
     once per session (float64 from fixed values: the same arguments give the same arrays); do not
     change what it returns.
     """
-    key = (opt_name, tuple(shares), count, empty, nan, extra)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(opt_name, shares, count, empty, nan, extra)
-    return _REFERENCES[key]
+    return _reference(opt_name, tuple(shares), count, empty, nan, extra)
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(opt_name, shares, count, empty, nan, extra):
     plan, skipped = child.windows(shares, count + extra, empty, nan)
     clip = child.CLIP_NORM if opt_name == "adamclip" else None

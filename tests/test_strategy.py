@@ -13,7 +13,6 @@ import tensorflow as tf
 import gradaccum
 import strategy_child
 from gradaccum._compat import TF_VERSION
-from test_distributed import _env
 
 K = 3  # micro-batches per replica per update
 UPDATES = 3
@@ -440,8 +439,7 @@ def test_multi_worker_mirrored_workers_match_one_device_and_reduce_once_per_upda
                                                                                     tmp_path):
     """Two processes on loopback, one replica each (strategy_child.py), against one device on the union."""
     out = str(tmp_path / "mwms")
-    strategy_child.run_workers(["--out", out, "--form", form, "--runner", runner, "--optimizer", optimizer],
-                               _env())
+    strategy_child.run_workers(["--out", out, "--form", form, "--runner", runner, "--optimizer", optimizer])
     want = _one_device(optimizer, _data())
     for worker in range(2):
         got = np.load("%s-worker%d.npz" % (out, worker))

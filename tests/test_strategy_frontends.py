@@ -29,7 +29,6 @@ import tensorflow as tf
 
 import gradaccum
 import strategy_child
-from test_distributed import _env
 from test_integrations import TF_VERSION, _absent, _keras
 
 DEVICES = ["/cpu:0", "/cpu:1"]
@@ -272,8 +271,7 @@ def test_estimator_under_multi_worker_mirrored_equals_one_device_on_the_global_b
     """``train_and_evaluate`` on two workers, each one replica fed its own micro-batches."""
     _estimator_module()
     model_dir = tmp_path / "accumulated"
-    strategy_child.run_workers(["--frontend", "estimator", "--optimizer", opt_name, "--model-dir", str(model_dir)],
-                               _env())
+    strategy_child.run_workers(["--frontend", "estimator", "--optimizer", opt_name, "--model-dir", str(model_dir)])
     want = _estimator_reference(opt_name, tmp_path)
     _check_equal(_checkpoint(str(model_dir)), want, opt_name)  # The chief's.
     others = [os.path.dirname(path) for path in tf.io.gfile.glob(str(model_dir / "*" / "checkpoint"))]
@@ -289,7 +287,7 @@ def test_keras_fit_under_multi_worker_mirrored_equals_one_device_on_the_global_b
     """Every worker fits the same arrays; each run's global batch of 4 spans both workers."""
     _keras()
     out = str(tmp_path / "keras")
-    strategy_child.run_workers(["--frontend", "keras", "--optimizer", opt_name, "--out", out], _env())
+    strategy_child.run_workers(["--frontend", "keras", "--optimizer", opt_name, "--out", out])
     want = _session_reference(opt_name, KERAS_GLOBAL)
     for worker in range(2):
         got = np.load("%s-worker%d.npz" % (out, worker))
