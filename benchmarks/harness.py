@@ -720,6 +720,18 @@ def last_error_line(stderr):
     return (errors or lines or ["no output"])[-1]
 
 
+def child_environment(env=None):
+    """A child's environment: this process's, TensorFlow's C++ log at errors unless it says otherwise, ``env``.
+
+    Example:
+      >>> child_environment({"TF_ENABLE_ONEDNN_OPTS": "0"})["TF_ENABLE_ONEDNN_OPTS"]
+      '0'
+    """
+    environment = dict({"TF_CPP_MIN_LOG_LEVEL": "2"}, **os.environ)
+    environment.update(env or {})
+    return environment
+
+
 def run_child(family, spec, timeout, env=None, python=None):
     """Runs ``FAMILY.measure(spec)`` in a fresh interpreter and returns its result dict.
 
@@ -739,9 +751,8 @@ def run_child(family, spec, timeout, env=None, python=None):
     """
     prefix = list(python) if isinstance(python, (list, tuple)) else [python or sys.executable]
     command = prefix + [os.path.abspath(__file__), family, json.dumps(spec)]
-    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     try:
-        done = subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        done = subprocess.run(command, env=child_environment(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               universal_newlines=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise ChildError("%s child timed out after %g s: %s" % (family, timeout, json.dumps(spec))) from None

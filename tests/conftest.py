@@ -15,17 +15,18 @@ import importlib.util
 import os
 import random
 
-EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-
 # tf.compat.v1.layers needs tf_keras on TF >= 2.16; TF 1.15 to 2.15 have Keras 2 built in,
 # and there the variable would break tf.compat.v1.layers if tf_keras is absent.
 if importlib.util.find_spec("tf_keras") is not None:
     os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# 3, as the examples set it before TensorFlow loads: a program forked from the fork server logs as the server's
+# TensorFlow import was told to (it reads the variable once), so the programs and the server must agree.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import pytest  # noqa: E402
 
 MODES = ("tf1", "tf2")
+_SHARED = {}  # "server": the xdist controller's fork server
 
 
 def pytest_addoption(parser):
@@ -37,15 +38,59 @@ def pytest_addoption(parser):
     )
 
 
+def _xdist_controller(config):
+    """True in pytest-xdist's controller: it hands tests to its workers and runs none itself."""
+    return (not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+            and getattr(config.option, "dist", "no") != "no")
+
+
 def pytest_configure(config):
+    mode = config.getoption("--tf-mode")
+    os.environ["GRADACCUM_TF_MODE"] = mode  # Subprocesses started by tests follow.
+    if _xdist_controller(config):
+        # It imports no TensorFlow (5 s of CPU that no test would use). It starts the one fork server that
+        # its workers share: they inherit the variable that names it.
+        import forkserver
+
+        _SHARED["server"] = forkserver.ForkServer().start(wait=False)
+        os.environ[forkserver.ENV_VAR] = _SHARED["server"].path
+        return
+    if getattr(config.option, "loadgroup", False):  # A pytest-xdist worker under --dist loadgroup.
+        config.pluginmanager.register(_GroupsTakeEffect(), "gradaccum-groups-take-effect")
     import tensorflow as tf
 
-    mode = config.getoption("--tf-mode")
     if mode == "tf1":
         tf.compat.v1.disable_v2_behavior()
     else:
         tf.compat.v1.disable_eager_execution()
-    os.environ["GRADACCUM_TF_MODE"] = mode  # Subprocesses started by tests follow.
+
+
+class _GroupsTakeEffect(object):
+    """In a pytest-xdist worker under ``--dist loadgroup``: a test whose group did not take effect fails.
+
+    pytest-xdist marks a grouped test by a suffix of its node id, which
+    pytest 9.2 no longer lets a plugin change: the tests would then run as
+    if ungrouped, two multi-process tests at once and each module fixture
+    once per worker, slower and with no word said.
+    """
+
+    def __init__(self):
+        self.lost = set()
+
+    @pytest.hookimpl(trylast=True)  # After pytest-xdist's own hook.
+    def pytest_collection_modifyitems(self, items):
+        self.lost = set(item.nodeid for item in items
+                        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid)
+
+    def pytest_runtest_setup(self, item):
+        if item.nodeid in self.lost:
+            pytest.fail("--dist loadgroup did not group this test with pytest %s (pytest-xdist issue 1386): "
+                        "install pytest<9.2, as pip install '.[test]' does" % pytest.__version__, pytrace=False)
+
+
+def pytest_unconfigure(config):
+    if "server" in _SHARED:
+        _SHARED.pop("server").close()
 
 
 @pytest.hookimpl(tryfirst=True)  # Before pytest-xdist reads the groups.
@@ -97,6 +142,9 @@ def _programs_fork_from_one_tensorflow_import():
     """
     import forkserver
 
+    if os.environ.get(forkserver.ENV_VAR):  # Under pytest-xdist: the controller's, shared by its workers.
+        yield forkserver.ForkServer(path=os.environ[forkserver.ENV_VAR])
+        return
     server = forkserver.ForkServer().start(wait=False)  # Its import overlaps the first tests; clients queue.
     os.environ[forkserver.ENV_VAR] = server.path
     yield server
@@ -105,19 +153,32 @@ def _programs_fork_from_one_tensorflow_import():
 
 
 @pytest.fixture(scope="session")
-def fork_server():
-    """Runs Python programs forked from one process that imported TensorFlow (``tests/forkserver.py``)."""
+def fork_server(_programs_fork_from_one_tensorflow_import):
+    """Runs Python programs forked from one process that imported TensorFlow (``tests/forkserver.py``): the
+    session's server; a program whose TensorFlow import variables differ gets a server of its own."""
     import forkserver
 
-    server = forkserver.ForkServer()
+    server = forkserver.ForkServer(path=_programs_fork_from_one_tensorflow_import.path)
     yield server
     server.close()
 
 
 def pytest_report_header(config):
-    import tensorflow as tf
+    return "gradaccum: TensorFlow %s, mode %s" % (_tensorflow_version(), config.getoption("--tf-mode"))
 
-    return "gradaccum: TensorFlow %s, mode %s" % (tf.__version__, config.getoption("--tf-mode"))
+
+def _tensorflow_version():
+    """The installed TensorFlow's version, read without importing it (the xdist controller does not)."""
+    try:
+        from importlib import metadata
+    except ImportError:  # Python 3.7
+        import importlib_metadata as metadata
+    for name in ("tensorflow", "tensorflow-gpu", "tensorflow-cpu", "tensorflow-intel"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "(version unknown)"
 
 
 @pytest.fixture(autouse=True)
@@ -141,10 +202,9 @@ def tf_mode(request):
 @pytest.fixture(scope="module")
 def parabola_example():
     """``examples/parabola_sync.py`` loaded as a module (it is a script, not a package)."""
-    spec = importlib.util.spec_from_file_location("parabola_sync", os.path.join(EXAMPLES_DIR, "parabola_sync.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import example_module
+
+    return example_module.load("parabola_sync")
 
 
 @pytest.fixture(scope="module")

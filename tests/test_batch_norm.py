@@ -663,17 +663,9 @@ def test_towers_times_window_equal_one_device_on_whole_window():
 @pytest.fixture(scope="module")
 def example():
     """``examples/fashion_mnist_subdivision.py`` loaded as a module."""
-    import importlib.util
-    import os
-    import sys
-    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)  # Its helper modules (idx_data, _quiet) sit beside it.
-    path = os.path.join(examples, "fashion_mnist_subdivision.py")
-    spec = importlib.util.spec_from_file_location("fashion_mnist_subdivision_for_bn", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import example_module
+
+    return example_module.load("fashion_mnist_subdivision", "fashion_mnist_subdivision_for_bn")
 
 
 def test_every_layer_of_example_cnn_gets_its_pooled_window_statistics(example):

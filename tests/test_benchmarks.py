@@ -369,7 +369,7 @@ def child_environ():
     servers = {}
 
     def environ(env):
-        full = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env)  # As run_child makes it.
+        full = harness.child_environment(env)
         signature = tuple(forkserver.import_signature(full))
         if signature == tuple(forkserver.import_signature(os.environ)):
             return env

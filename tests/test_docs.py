@@ -1,7 +1,8 @@
 """The documentation site (docs/) builds without a warning, and documents every public name.
 
 The build is Sphinx's, as docs/README.md gives it, with warnings as errors and
-nitpicky cross-references (``-W --keep-going -n``), into a temporary folder:
+nitpicky cross-references (``-W --keep-going -n``), into a temporary folder
+(run as a program forked from the session's TensorFlow import, tests/forkserver.py):
 a broken link or reference, a docstring that does not parse, or a public name
 missing from the API pages (docs/api/) fails the suite. Sphinx 9 needs Python >= 3.11, so
 the test skips, with the reason, below that or without the ``[docs]`` extra;
@@ -18,13 +19,15 @@ import zlib
 
 import pytest
 
+import forkserver
 import gradaccum
 
-pytestmark = pytest.mark.slow  # Two Sphinx builds, about 30 s together.
+pytestmark = pytest.mark.slow  # Two Sphinx builds, about 20 s together.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-TIMEOUT = 300  # Seconds per build; one takes about 20 s on a 2-core machine, TensorFlow's import included.
+_SPHINX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sphinx_child.py")  # python -m sphinx
+TIMEOUT = 300  # Seconds per build; one takes about 15 s on a 2-core machine.
 # TensorFlow's start-up lines on stderr, which are not Sphinx's warnings.
 NOISE = re.compile(r"^(WARNING: All log messages before absl|I0000 |W0000 |E0000 |.*cudart_stub)")
 
@@ -50,8 +53,8 @@ def _build(source, out):
     """Runs Sphinx on ``source`` into ``out``; returns (exit status, Sphinx's warnings and errors)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("GRADACCUM_TF_MODE", None)
-    command = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
-               "-d", os.path.join(out, ".doctrees"), source, out]
+    command = forkserver.command() + [_SPHINX, "-W", "--keep-going", "-n", "-q", "-b", "html",
+                                      "-d", os.path.join(out, ".doctrees"), source, out]
     proc = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           universal_newlines=True, timeout=TIMEOUT)
     messages = [line for line in proc.stderr.splitlines() if not NOISE.match(line)]

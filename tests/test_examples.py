@@ -27,9 +27,11 @@ EXAMPLES = os.path.join(ROOT, "examples")
 REAL_DATA = "/usr/share/datasets/fashion-mnist"
 sys.path.insert(0, EXAMPLES)
 
+import example_module  # noqa: E402
 import fashion_mnist_data  # noqa: E402
 import forkserver  # noqa: E402
-import fashion_mnist_subdivision as example  # noqa: E402
+
+example = example_module.load("fashion_mnist_subdivision")
 
 
 def write_fashion(directory, num_train=80, num_test=20, seed=0, gz=True):
