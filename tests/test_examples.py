@@ -34,6 +34,19 @@ import forkserver  # noqa: E402
 example = example_module.load("fashion_mnist_subdivision")
 
 
+def test_loading_an_example_leaves_the_test_process_as_it_was():
+    """The example quiets itself on import (TF_CPP_MIN_LOG_LEVEL, stderr to /dev/null): not this process.
+
+    Left behind, every program a later test starts would inherit the variable and pay a TensorFlow import of
+    its own instead of forking from the session's (tests/forkserver.py), and this process's stderr would be lost.
+    """
+    environ, stderr = dict(os.environ), os.fstat(2)
+    loaded = example_module.load("fashion_mnist_subdivision", "fashion_mnist_subdivision_loaded_again")
+    assert loaded.VERBOSE is False and loaded.build is not None
+    assert dict(os.environ) == environ
+    assert (os.fstat(2).st_dev, os.fstat(2).st_ino) == (stderr.st_dev, stderr.st_ino)
+
+
 def write_fashion(directory, num_train=80, num_test=20, seed=0, gz=True):
     """The four Fashion-MNIST files with random images and labels 0..9; returns the arrays."""
     rng = np.random.RandomState(seed)
