@@ -96,10 +96,15 @@ class ForkServer(object):
                                           stderr=subprocess.DEVNULL)
         ready = self.path + ".ready" if wait else self.path
         deadline = time.monotonic() + 120
-        while not os.path.exists(ready) and (self._proc.poll() is None if self._proc is not None
-                                             else self._folder is None) and time.monotonic() < deadline:
+        while not os.path.exists(ready) and self._may_become_ready() and time.monotonic() < deadline:
             time.sleep(0.02)
         return self
+
+    def _may_become_ready(self):
+        """Another process's server may still be importing; one of ours only while its process lives."""
+        if self._folder is None:
+            return True
+        return self._proc is not None and self._proc.poll() is None
 
     def environ(self, env):
         """``env`` with the variable that points this server's clients at it."""

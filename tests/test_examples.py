@@ -23,15 +23,14 @@ import pytest
 import tensorflow as tf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
 REAL_DATA = "/usr/share/datasets/fashion-mnist"
-sys.path.insert(0, EXAMPLES)
 
 import example_module  # noqa: E402
-import fashion_mnist_data  # noqa: E402
 import forkserver  # noqa: E402
 
-example = example_module.load("fashion_mnist_subdivision")
+example = example_module.load("fashion_mnist_subdivision")  # It puts examples/ on sys.path, for the next.
+EXAMPLES = example_module.EXAMPLES_DIR
+import fashion_mnist_data  # noqa: E402
 
 
 def test_loading_an_example_leaves_the_test_process_as_it_was():
