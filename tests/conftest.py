@@ -11,6 +11,7 @@ The suite runs once per behaviour, each in its own process:
 TensorFlow is imported, when ``tf_keras`` is installed, so that
 ``tf.compat.v1.layers`` works on TF >= 2.16.
 """
+import gc
 import importlib.util
 import os
 import random
@@ -86,6 +87,13 @@ class _GroupsTakeEffect(object):
         if item.nodeid in self.lost:
             pytest.fail("--dist loadgroup did not group this test with pytest %s (pytest-xdist issue 1386): "
                         "install pytest<9.2, as pip install '.[test]' does" % pytest.__version__, pytrace=False)
+
+
+def pytest_collection_finish(session):
+    """TensorFlow's modules, the test modules and their items live as long as the session: its garbage
+    collections need not walk those 300,000 objects again and again (the tf2 session's full collections
+    took 13 s of CPU instead of 17 s with TensorFlow's frozen)."""
+    gc.freeze()
 
 
 def pytest_unconfigure(config):

@@ -1,4 +1,6 @@
 """Numbers for GradientAccumulator: equivalence, untouched state, counters, errors."""
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -78,15 +80,34 @@ def _train(opt_name, dtype, sizes=None, weighted=False, updates=3, apply=False):
             return sess.run(variables), sess.run(step)
 
 
+@pytest.fixture(scope="module")
+def full_batch():
+    """``full_batch(opt_name, dtype, updates=3)``: plain full-batch training's ``(variables, step)``.
+
+    Each is made once per worker and shared by every split and form that compares with it; a module
+    fixture, so that the tests that share them run on one worker (``tests/conftest.py``). Its arrays are
+    read-only: a test cannot change what the next one compares with.
+    """
+    return _full_batch
+
+
+@functools.lru_cache(maxsize=None)
+def _full_batch(opt_name, dtype, updates=3):
+    values, step = _train(opt_name, dtype, updates=updates)
+    for value in values:
+        value.setflags(write=False)
+    return tuple(values), step
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("split", sorted(SPLITS))
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_accumulated_equals_full_batch(opt_name, split, dtype):
+def test_accumulated_equals_full_batch(opt_name, split, dtype, full_batch):
     sizes, weighted = SPLITS[split]
-    expected, expected_step = _train(opt_name, dtype)
+    expected, expected_step = full_batch(opt_name, dtype)
     actual, actual_step = _train(opt_name, dtype, sizes, weighted)
     assert actual_step == expected_step == 3
-    initial, _ = _train(opt_name, dtype, updates=0)
+    initial, _ = full_batch(opt_name, dtype, updates=0)
     for got, want, start in zip(actual, expected, initial):
         assert not np.allclose(want, start), "the reference did not move: the test would prove nothing"
         np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
@@ -94,10 +115,10 @@ def test_accumulated_equals_full_batch(opt_name, split, dtype):
 
 @pytest.mark.parametrize("apply", [False, True], ids=["minimize", "apply_gradients"])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_weight_in_backprop_and_weight_in_the_kernel_both_equal_full_batch(opt_name, apply):
+def test_weight_in_backprop_and_weight_in_the_kernel_both_equal_full_batch(opt_name, apply, full_batch):
     """``minimize`` folds ``weight`` into ``grad_loss``; ``apply_gradients`` gets finished gradients
     and multiplies in the accumulate kernel."""
-    expected, _ = _train(opt_name, np.float64)
+    expected, _ = full_batch(opt_name, np.float64)
     actual, _ = _train(opt_name, np.float64, [5, 4, 2, 1], weighted=True, apply=apply)
     for got, want in zip(actual, expected):
         np.testing.assert_allclose(got, want, **TOLERANCE[np.float64])
@@ -116,9 +137,9 @@ def test_grad_loss_and_weight_both_scale_the_gradients():
             assert sess.run(acc.weight_sum) == 3.0
 
 
-def test_uneven_micro_batches_need_the_weight():
+def test_uneven_micro_batches_need_the_weight(full_batch):
     """Without weights the mean of micro-batch means is not the full-batch mean."""
-    expected, _ = _train("sgd", np.float64)
+    expected, _ = full_batch("sgd", np.float64)
     unweighted, _ = _train("sgd", np.float64, [5, 4, 2, 1], weighted=False)
     assert not np.allclose(unweighted[0], expected[0], rtol=1e-6)
 
@@ -297,9 +318,9 @@ def test_op_names_and_train_op_collection():
         assert v1.get_collection(v1.GraphKeys.TRAIN_OP) == [train_op]
 
 
-def test_manual_pattern_equals_full_batch_and_apply_needs_no_feed():
+def test_manual_pattern_equals_full_batch_and_apply_needs_no_feed(full_batch):
     X, Y = _data(np.float64)
-    expected, _ = _train("adam", np.float64, updates=2)
+    expected, _ = full_batch("adam", np.float64, updates=2)
     with tf.Graph().as_default():
         x, y, loss, variables = _mlp(np.float64)
         acc = gradaccum.GradientAccumulator(OPTIMIZERS["adam"](), 4)
@@ -377,7 +398,7 @@ def test_update_ops_run_on_every_micro_batch(update_ops, expected_runs):
             assert sess.run(counter) == expected_runs
 
 
-def test_checkpoint_in_the_middle_of_a_window_continues_exactly(tmp_path):
+def test_checkpoint_in_the_middle_of_a_window_continues_exactly(tmp_path, full_batch):
     X, Y = _data(np.float64)
     parts = _slices([3, 3, 3, 3])
 
@@ -388,7 +409,7 @@ def test_checkpoint_in_the_middle_of_a_window_continues_exactly(tmp_path):
         return x, y, variables, step, acc.minimize(loss, global_step=step), v1.train.Saver()
 
     schedule = parts * 2
-    expected, _ = _train("adam", np.float64, updates=2)
+    expected, _ = full_batch("adam", np.float64, updates=2)
     with tf.Graph().as_default():
         x, y, variables, step, train_op, saver = build()
         with v1.Session() as sess:

@@ -73,6 +73,25 @@ def test_a_file_left_open_is_written_at_exit_as_in_a_fresh_process(server, tmp_p
     assert (tmp_path / "left_open.txt").read_text() == "written"
 
 
+def test_a_program_collects_its_own_garbage_and_not_the_server_s_import(server, tmp_path):
+    """The server froze its import's objects (``gc.freeze``): a collection in the program skips them,
+    and collects the cycles the program makes as a fresh process would."""
+    script = _program(tmp_path, """
+        import gc, weakref
+        assert gc.isenabled() and gc.get_freeze_count() > 10000, gc.get_freeze_count()
+        class Node(object):
+            pass
+        node = Node()
+        node.self = node
+        alive = weakref.ref(node)
+        del node
+        gc.collect()
+        assert alive() is None, "the program's cycle was not collected"
+        print(len(gc.get_objects()) < gc.get_freeze_count())
+    """)
+    assert server.run(script, str(tmp_path), ENV, 60) == (0, "True\n", "")
+
+
 @pytest.mark.parametrize("code, want_status, want_stderr", [
     ("import sys\nsys.exit(3)\n", 3, ""),
     ("import sys\nsys.exit('bad input')\n", 1, "bad input\n"),
