@@ -136,6 +136,8 @@ def main(args):
             print("epoch %d: step %d, train loss %.4f, test accuracy %.4f, %.1f s" % (
                 epoch + 1, step, np.mean(losses), accuracies[-1], time.time() - epoch_start))
             bar.update(step, force=True)  # prints the line above the bar now
+    if writer:
+        writer[0].close()  # writes the last update's summaries now, not whenever the interpreter's exit gets to it
     seconds, peak = round(time.time() - START, 1), round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
     print("test accuracy %.4f after %d updates of %d, %.0f s, peak memory %.0f MB" % (
         accuracies[-1], step, batch, seconds, peak))

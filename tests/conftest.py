@@ -111,6 +111,9 @@ def pytest_collection_modifyitems(config, items):
     * The tests of a module that share a module-scoped fixture (a reference
       run, a job run once for several tests, a site build) run on one worker,
       so that it is made once, not once per worker.
+    * A module may group tests itself (``pytest.mark.xdist_group``) for a
+      resource they share that is not a fixture: the docs' ```python blocks
+      fork from one server of their own.
 
     Every other test goes to whichever worker is free. Without pytest-xdist
     the marks change nothing.

@@ -9,13 +9,13 @@ import json
 import re
 import socket
 import subprocess
-import sys
 import threading
 
 import numpy as np
 import psutil
 import pytest
 
+import forkserver
 import gradaccum
 from gradaccum import cluster, launch
 from gradaccum._compat import tf
@@ -330,7 +330,7 @@ def test_heartbeat_lives_in_its_own_module_and_cluster_and_ingraph_do_not_import
     assert cluster.StopSignal is ingraph.StopSignal and cluster.ClusterError is gradaccum.ClusterError
     code = ("import sys, gradaccum.distributed.ingraph; "
             "print(' '.join(m for m in sys.modules if m.startswith('gradaccum.')))")
-    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    done = subprocess.run(forkserver.command() + ["-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           universal_newlines=True, timeout=120)
     loaded = done.stdout.split()
     assert "gradaccum.distributed.heartbeat" in loaded and "gradaccum.distributed.cluster" not in loaded, loaded

@@ -151,7 +151,14 @@ def test_no_block_escapes_the_rules():
     assert not evasive, "write ```python or ```bash, so that the block is run or checked: %s" % evasive
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[_id(block) for block in BLOCKS])
+def _param(block):
+    """The ```python blocks run on one worker: they fork from a server of their own (their environment has
+    no ``TF_USE_LEGACY_KERAS``), which each worker would otherwise start, a TensorFlow import each."""
+    marks = [pytest.mark.xdist_group("doc_blocks_python")] if block.language == "python" else []
+    return pytest.param(block, marks=marks, id=_id(block))
+
+
+@pytest.mark.parametrize("block", [_param(block) for block in BLOCKS])
 def test_block(block, tmp_path, tf_mode, fork_server):
     if block.marker in SKIP_MARKERS:
         pytest.skip("marked %s" % block.marker)

@@ -51,6 +51,27 @@ def test_program_runs_as_main_in_its_folder_with_its_environment(server, tmp_pat
     assert (returncode, stdout, stderr.splitlines()[-1]) == (0, "%s probe 7 True\n" % tmp_path, "to stderr"), stderr
 
 
+def test_minus_c_runs_as_python_minus_c_does(server, tmp_path):
+    """``forkserver.command() + ["-c", code, args...]``: the same argv, path, globals and traceback as a fresh
+    ``python -c``."""
+    code = textwrap.dedent("""
+        import os, sys
+        import helper  # From the working directory: sys.path[0] is "".
+        print(sys.argv, repr(sys.path[0]), __name__, "__file__" in globals(), helper.VALUE, os.getcwd())
+        raise ValueError("from -c")
+    """)
+    (tmp_path / "helper.py").write_text("VALUE = 7\n", encoding="utf-8")
+    runs = [subprocess.run(python + ["-c", code, "an argument"], cwd=str(tmp_path), env=server.environ(ENV),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, timeout=60)
+            for python in ([sys.executable], forkserver.command())]
+    # The traceback's frame and message (Python 3.13 also prints the line's source, which the fork does not).
+    fresh, forked = [(run.returncode, run.stdout, [line for line in run.stderr.splitlines()
+                                                   if line.startswith(("  File", "ValueError"))]) for run in runs]
+    assert forked == fresh
+    assert fresh == (1, "['-c', 'an argument'] '' __main__ False 7 %s\n" % tmp_path,
+                     ['  File "<string>", line 5, in <module>', "ValueError: from -c"])
+
+
 def test_programs_do_not_see_each_others_state(server, tmp_path):
     script = _program(tmp_path, """
         import sys, tensorflow as tf
@@ -90,6 +111,17 @@ def test_a_program_collects_its_own_garbage_and_not_the_server_s_import(server, 
         print(len(gc.get_objects()) < gc.get_freeze_count())
     """)
     assert server.run(script, str(tmp_path), ENV, 60) == (0, "True\n", "")
+
+
+def test_a_program_has_the_signal_dispositions_of_a_fresh_process(server, tmp_path):
+    """The server wakes on SIGCHLD through a pipe (``signal.set_wakeup_fd``): its programs inherit neither
+    the handler nor the pipe, and wait for their own children as a fresh process does."""
+    script = _program(tmp_path, """
+        import signal, subprocess, sys
+        print(signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL, signal.set_wakeup_fd(-1))
+        print(subprocess.run([sys.executable, "-c", "raise SystemExit(7)"]).returncode)
+    """)
+    assert server.run(script, str(tmp_path), ENV, 60) == (0, "True -1\n7\n", "")
 
 
 @pytest.mark.parametrize("code, want_status, want_stderr", [

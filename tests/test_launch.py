@@ -23,6 +23,7 @@ import time
 import psutil
 import pytest
 
+import forkserver
 import gradaccum
 from gradaccum import cluster, launch
 from gradaccum.distributed import checkpoint_files
@@ -482,7 +483,7 @@ def test_a_bad_flag_is_one_usage_line_without_tensorflow_or_runpy_warning(args):
 def test_importing_the_package_defers_everything_but_the_tensorflow_check():
     code = ("import sys; import gradaccum; print(sorted(m for m in sys.modules if m.startswith('gradaccum')));"
             "gradaccum.GradientAccumulator; print('gradaccum.window.accumulator' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    done = subprocess.run(forkserver.command() + ["-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                           universal_newlines=True, timeout=120)
     assert done.stdout.splitlines() == ["['gradaccum', 'gradaccum._compat', 'gradaccum._version']", "True"]
 
