@@ -212,8 +212,9 @@ def test_main_example_prints_its_lines_quietly_and_writes_its_json(tmp_path, dat
 
 @pytest.mark.parametrize("form", [[], ["--one-run"]], ids=["fused", "one-run"])
 def test_main_example_verbose_lets_tensorflow_speak_and_logdir_writes_once_per_update(tmp_path, data_dir, form):
-    # The fused form runs fresh, for TensorFlow's lines at import too; the one-run form forks (its logs after
-    # the import, such as the deprecation warnings, still show).
+    # The fused form runs fresh, for TensorFlow's lines at import too; the one-run form forks (the logs after
+    # the import, such as the deprecation warnings, still show), and a fork's exit skips the interpreter's
+    # teardown: the last update's summaries are there only if the example closed its writer.
     proc = run("fashion_mnist_subdivision.py", ["--data-dir", data_dir, "--width", "1", "--batch-size", "40",
                                                 "--subdivisions", "2", "--epochs", "1", "--verbose",
                                                 "--logdir", tmp_path / "runs"] + form, tmp_path, fresh=not form)
