@@ -241,7 +241,7 @@ def serve(path):
             for sock in select.select(watched, [], [], _POLL)[0]:
                 if sock is listener:
                     _accept(listener, programs, killed, signature, base_path, wakeup)
-                elif sock is wakeup:
+                elif sock == wakeup:  # A file descriptor: an int, compared by value.
                     _drain(wakeup)  # A program ended: reaped below.
                 else:  # A client sends nothing after its request: readable means it has gone.
                     pid = next(p for p, conn in programs.items() if conn is sock)
@@ -296,7 +296,6 @@ def _accept(listener, programs, killed, signature, base_path, wakeup):
             listener.close()
             for other in list(programs.values()) + [conn]:
                 other.close()
-            os.close(signal.set_wakeup_fd(-1))  # The program's signals are its own, and so are its children.
             os.close(wakeup)
             _become(request, fds, base_path)  # Never returns.
         programs[pid] = conn
@@ -356,8 +355,10 @@ def _kill_group(pid):
 
 def _become(request, fds, base_path):
     os.setsid()  # Its own process group: when its client goes, the server kills what it started too.
+    # The program's signals are its own, and so are its children: none of the server's handlers or wake-up pipe.
     for number in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(number, signal.SIG_DFL)
+    os.close(signal.set_wakeup_fd(-1))
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in fds:
