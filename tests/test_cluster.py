@@ -10,12 +10,14 @@ import re
 import socket
 import subprocess
 import threading
+import time
 
 import numpy as np
 import psutil
 import pytest
 
 import forkserver
+import stop_signal_child
 import gradaccum
 from gradaccum import cluster, launch
 from gradaccum._compat import tf
@@ -177,27 +179,29 @@ def _serve_in_thread(server, config, **kwargs):
     return thread, outcome
 
 
-def test_stop_signal_ends_serve_in_every_other_task():
+def test_stop_signal_ends_serve_in_every_other_task_once_the_chief_has_had_time_to_exit():
+    # In one process the chief's server never goes away: serve returns chief_exit_timeout_seconds after the
+    # signal, not before (tests/test_distributed.py checks that it returns once a chief process has ended).
     spec = _local_cluster(2, ps=1)
     chief = _config(spec, "worker", 0)
     servers = [cluster.start_server(_config(spec, job, i)) for job, i in (("worker", 0), ("worker", 1), ("ps", 0))]
-    served = [_serve_in_thread(server, _config(spec, job, i), poll_seconds=0.2)
+    served = [_serve_in_thread(server, _config(spec, job, i), poll_seconds=0.2, chief_exit_timeout_seconds=1.5)
               for server, (job, i) in zip(servers[1:], (("worker", 1), ("ps", 0)))]
     with tf.Graph().as_default():
-        with tf.device(cluster.variables_device(chief)):
-            total = tf.compat.v1.get_variable("total", initializer=0.0)
-        parts = []
-        for device in cluster.worker_devices(chief):
-            with tf.device(device):
-                parts.append(tf.square(total + 3.0))
-        stop = cluster.StopSignal(chief)
+        parts, stop = stop_signal_child.one_op_per_task(tf, cluster, chief)
         with tf.compat.v1.Session(servers[0].target, config=cluster.session_config(chief)) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            np.testing.assert_allclose(sess.run(parts), [9.0, 9.0])
+            np.testing.assert_allclose(sess.run(parts), [4.0, 4.0])
             assert stop.send(sess) == []
+            sent = time.time()
+            time.sleep(1.0)
+            assert [thread.is_alive() for thread, _ in served] == [True, True]  # The chief is still up.
     for thread, outcome in served:
         thread.join(20)
         assert not thread.is_alive() and outcome == {"returned": True}
+    assert 1.5 <= time.time() - sent < 10
+    with pytest.raises(ValueError, match=r"^`chief_exit_timeout_seconds` must be None or a finite number > 0, got 0$"):
+        cluster.serve(None, _config(spec, "worker", 1), chief_exit_timeout_seconds=0)
 
 
 def test_serve_fails_in_one_line_when_the_chief_goes_away():

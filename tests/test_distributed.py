@@ -248,6 +248,21 @@ def test_killed_worker_stops_the_job_and_a_restart_resumes_from_the_checkpoint(p
 
 
 @pytest.mark.one_behaviour
+def test_the_chief_closes_its_session_and_ends_when_the_other_tasks_exit_at_once_after_the_stop_signal():
+    # A worker and a ps os._exit(0) as soon as cluster.serve returns. The chief closes its session right after
+    # StopSignal.send: a task it ran ops on must not exit during that close (TF 1.15 hung in it every time).
+    child = os.path.join(_ROOT, "tests", "stop_signal_child.py")
+    job = _Job(2, [], ps=1, command=_LAUNCH_MODULE + ["--workers", "2", "--ps", "1", "--"]
+               + forkserver.command() + [child])
+    status = job.wait(60)
+    _assert_gone(job.pids | {job.process.pid})
+    out, err = job.text()
+    assert status == 0, "stdout: %s\nstderr: %s" % (out[-3000:], err[-3000:])
+    assert "[worker:0] parts [4.0, 4.0]\n[worker:0] closed, missed: []\n" in out, out
+    assert "still running" not in err, err  # The others returned from serve once the chief had ended.
+
+
+@pytest.mark.one_behaviour
 def test_a_stopped_worker_ends_the_in_graph_job_within_the_heartbeat_bound():
     # Session timeouts do not end a chief's run that waits on a stopped worker;
     # the chief's cluster.Heartbeat does, within its timeout + 1 s.

@@ -6,8 +6,8 @@ variables on :func:`variables_device`, the towers' gradients averaged in that
 graph, so every update is synchronous and equals the full-batch update. The
 other tasks only serve the graph pieces the chief's session places on them,
 in :func:`serve`, until the chief sends them the stop signal
-(:class:`StopSignal`), their chief disappears, or it stops answering for
-``heartbeat_timeout_seconds``. The chief bounds its own wait for a silent
+(:class:`StopSignal`) and ends, their chief disappears, or it stops answering
+for ``heartbeat_timeout_seconds``. The chief bounds its own wait for a silent
 task with a :class:`gradaccum.cluster.Heartbeat` around its session. An
 evaluator task is not part of that graph: no tower, no stop signal, and no
 task waits for it.
@@ -28,6 +28,7 @@ from gradaccum.distributed import tfconfig
 from gradaccum.distributed.heartbeat import DEFAULT_HEARTBEAT_SECONDS, Heartbeat
 from gradaccum.distributed.tfconfig import ClusterError
 
+_CHIEF_EXIT_POLL_SECONDS = 0.05  # How late this task may end after its chief.
 _DEVICE_RE = re.compile(r"^(?:/?device:)?([A-Za-z_]+):(\d+)$")
 
 
@@ -134,7 +135,9 @@ class StopSignal(object):
     """The chief's way to tell every other task that training is over.
 
     Build it in the chief's graph before the graph is finalized, and
-    :meth:`send` it after training; :func:`serve` then returns in each task.
+    :meth:`send` it after training; :func:`serve` then returns in each task
+    once the chief's process has ended, so that the chief's session closes
+    while every task it ran ops on still serves.
 
     Args:
       config: a :class:`~gradaccum.cluster.ClusterConfig`.
@@ -175,9 +178,13 @@ class StopSignal(object):
         return missed
 
 
+def _chief_address(config):
+    return config.cluster[config.chief[0]][config.chief[1]]
+
+
 def _watch_chief(config, chief_seen, deadline):
     """Returns the new ``chief_seen``; raises when the chief is gone or late."""
-    address = config.cluster[config.chief[0]][config.chief[1]]
+    address = _chief_address(config)
     if tfconfig.reachable(address):
         return True
     chief_name = "%s:%d" % config.chief
@@ -190,14 +197,47 @@ def _watch_chief(config, chief_seen, deadline):
     return False
 
 
+def _wait_for_stop(sess, dequeue, options, config, deadline, heartbeat):
+    """True once the stop signal arrived; False when ``heartbeat`` found the chief silent (its ``failure``)."""
+    chief_seen = False
+    while heartbeat.failure is None:
+        try:
+            sess.run(dequeue, options=options)
+            return True
+        except tf.errors.DeadlineExceededError:
+            chief_seen = _watch_chief(config, chief_seen, deadline)
+        if chief_seen and heartbeat.started is None:  # Probe a chief that is up.
+            heartbeat.start()
+    return False
+
+
+def _wait_for_chief_exit(config, timeout_seconds):
+    """Returns once the chief's server refuses connections (its process ended), or after ``timeout_seconds``.
+
+    The chief closes its session right after :meth:`StopSignal.send`. A task that exits during that close can
+    hang it for ever (``LocalMaster::CloseSession`` waits on it: TensorFlow 1.15 every time, 2.x at times), so
+    this task outlives the close. Once the chief has gone, nothing waits on this task any more.
+    """
+    address = _chief_address(config)
+    deadline = time.time() + timeout_seconds
+    while time.time() < deadline and tfconfig.reachable(address, min(1.0, max(deadline - time.time(), 0.01))):
+        time.sleep(_CHIEF_EXIT_POLL_SECONDS)
+
+
 def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
-          heartbeat_timeout_seconds=DEFAULT_HEARTBEAT_SECONDS):
-    """Serves this non-chief task until the chief's :class:`StopSignal` arrives.
+          heartbeat_timeout_seconds=DEFAULT_HEARTBEAT_SECONDS, chief_exit_timeout_seconds=30.0):
+    """Serves this non-chief task until the chief's :class:`StopSignal` arrives and the chief has ended.
 
     While it waits it checks every ``poll_seconds`` that the chief's server
     still accepts connections, and a :class:`gradaccum.cluster.Heartbeat`
     checks that the chief still answers, so a task never outlives a crashed
     or stopped (SIGSTOP) chief by more than ``heartbeat_timeout_seconds``.
+
+    After the stop signal it returns as soon as the chief's server has gone
+    (within 50 ms of the chief's exit), or ``chief_exit_timeout_seconds``
+    after the signal if the chief still runs then. The chief closes its
+    session after :meth:`StopSignal.send`, and TensorFlow can hang that close
+    for ever when a task it ran ops on exits during it: this task outlives it.
 
     Args:
       server: this task's server from :func:`~gradaccum.cluster.start_server`.
@@ -206,6 +246,8 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
       startup_timeout_seconds: how long the chief may take to come up.
       heartbeat_timeout_seconds: how long a chief that accepts connections
         may stay silent (stopped, or its host lost) before this task fails.
+      chief_exit_timeout_seconds: how long after the stop signal this task
+        waits for the chief to exit before it returns anyway.
 
     Raises:
       TypeError: for a timeout that is not a number.
@@ -224,26 +266,20 @@ def serve(server, config, poll_seconds=1.0, startup_timeout_seconds=600.0,
     # Checked here, under their own names: the Heartbeat below gets their sum.
     startup_timeout_seconds = _validate.check_seconds(startup_timeout_seconds, "startup_timeout_seconds")
     heartbeat_timeout_seconds = _validate.check_seconds(heartbeat_timeout_seconds, "heartbeat_timeout_seconds")
+    chief_exit_timeout_seconds = _validate.check_seconds(chief_exit_timeout_seconds, "chief_exit_timeout_seconds")
     deadline = time.time() + startup_timeout_seconds
     options = tf.compat.v1.RunOptions(timeout_in_ms=int(poll_seconds * 1000))
-    failures = []
-    # The startup is judged by the connection check (its message is clearer).
+    # The startup is judged by the connection check (its message is clearer). A failure is raised below.
     heartbeat = Heartbeat(server, config, peers=[config.chief], timeout_seconds=heartbeat_timeout_seconds,
                           startup_timeout_seconds=startup_timeout_seconds + heartbeat_timeout_seconds,
-                          on_failure=failures.append)
+                          on_failure=lambda message: None)
     with tf.Graph().as_default():
         dequeue = _stop_queue(config.task_type, config.task_index).dequeue()
-        with tf.compat.v1.Session(server.target, config=session_config(config)) as sess:
-            chief_seen = False
+        with tf.compat.v1.Session(server.target, config=session_config(config)) as sess:  # This task's only.
             try:
-                while not failures:
-                    try:
-                        sess.run(dequeue, options=options)
-                        return
-                    except tf.errors.DeadlineExceededError:
-                        chief_seen = _watch_chief(config, chief_seen, deadline)
-                    if chief_seen and heartbeat.started is None:  # Probe a chief that is up.
-                        heartbeat.start()
+                stopped = _wait_for_stop(sess, dequeue, options, config, deadline, heartbeat)
             finally:
                 heartbeat.stop()
-    raise ClusterError(failures[0])
+    if not stopped:
+        raise ClusterError(heartbeat.failure)
+    _wait_for_chief_exit(config, chief_exit_timeout_seconds)
