@@ -192,8 +192,8 @@ def test_stop_signal_ends_serve_in_every_other_task_once_the_chief_has_had_time_
         with tf.compat.v1.Session(servers[0].target, config=cluster.session_config(chief)) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             np.testing.assert_allclose(sess.run(parts), [4.0, 4.0])
+            sent = time.time()  # Before the tasks' dequeue returns: their 1.5 s count from that.
             assert stop.send(sess) == []
-            sent = time.time()
             time.sleep(1.0)
             assert [thread.is_alive() for thread, _ in served] == [True, True]  # The chief is still up.
     for thread, outcome in served:

@@ -252,8 +252,7 @@ def test_the_chief_closes_its_session_and_ends_when_the_other_tasks_exit_at_once
     # A worker and a ps os._exit(0) as soon as cluster.serve returns. The chief closes its session right after
     # StopSignal.send: a task it ran ops on must not exit during that close (TF 1.15 hung in it every time).
     child = os.path.join(_ROOT, "tests", "stop_signal_child.py")
-    job = _Job(2, [], ps=1, command=_LAUNCH_MODULE + ["--workers", "2", "--ps", "1", "--"]
-               + forkserver.command() + [child])
+    job = _Job(2, None, command=_LAUNCH_MODULE + ["--workers", "2", "--ps", "1", "--"] + forkserver.command() + [child])
     status = job.wait(60)
     _assert_gone(job.pids | {job.process.pid})
     out, err = job.text()
