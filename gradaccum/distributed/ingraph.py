@@ -215,7 +215,7 @@ def _wait_for_chief_exit(config, timeout_seconds):
     """Returns once the chief's server refuses connections (its process ended), or after ``timeout_seconds``.
 
     The chief closes its session right after :meth:`StopSignal.send`. A task that exits during that close can
-    hang it for ever (``LocalMaster::CloseSession`` waits on it: TensorFlow 1.15 every time, 2.x at times), so
+    hang it for ever (``LocalMaster::CloseSession`` waits on it: TensorFlow 1.15 in every try, 2.21 at times), so
     this task outlives the close. Once the chief has gone, nothing waits on this task any more.
     """
     address = _chief_address(config)
