@@ -95,30 +95,32 @@ def check_positive_int(value, arg):
     return int(value)
 
 
-def check_positive_number(value, arg):
-    """Checks that ``value`` is ``None`` or a real number > 0.
+def check_positive_number(value, arg, allow_none=True):
+    """Checks that ``value`` is a real number > 0 (or ``None``, when ``allow_none``).
 
     Args:
       value: the value to check.
       arg: the argument's name, for the message.
+      allow_none: whether ``None`` is accepted (and named in the messages).
 
     Returns:
       ``value`` as a float, or ``None``.
 
     Raises:
-      TypeError: for a bool or a non-number.
+      TypeError: for a bool or a non-number (``None`` too, unless ``allow_none``).
       ValueError: for a number <= 0, NaN or infinity.
 
     Example:
       >>> check_positive_number(1.0, "clip_norm")
       1.0
     """
-    if value is None:
+    if value is None and allow_none:
         return None
+    either = "None or " if allow_none else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError("`%s` must be None or a number > 0, got %s" % (arg, describe(value)))
+        raise TypeError("`%s` must be %sa number > 0, got %s" % (arg, either, describe(value)))
     if not 0 < float(value) < float("inf"):
-        raise ValueError("`%s` must be None or a finite number > 0, got %s" % (arg, describe(value)))
+        raise ValueError("`%s` must be %sa finite number > 0, got %s" % (arg, either, describe(value)))
     return float(value)
 
 
@@ -142,7 +144,7 @@ def check_seconds(value, arg):
     """
     if value is None:
         raise TypeError("`%s` must be a number of seconds > 0, got None" % arg)
-    return check_positive_number(value, arg)
+    return check_positive_number(value, arg, allow_none=False)
 
 
 def check_scalar_tensor(value, arg, allow_none=False):
